@@ -1,0 +1,160 @@
+"""Launch configuration: one frozen dataclass, one argparse builder, one resolution step.
+
+Every entrypoint (CLI, `Engine(...)`, the server) builds a `LaunchConfig` from the same fields, then
+calls `resolve_launch` (jengine.numerics) exactly once, before JAX initialises its backend. Layers
+that read a resolved switch trust it; closed-set switches are validated here, once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+# Closed sets of every switch. The spec names the CUDA-engine values; where the choice is "host vs
+# accelerator" jengine says "device" instead of "cuda" (docs/numerics.md has the mapping).
+CHOICES: dict[str, tuple[str, ...]] = {
+    "numerics": ("auto", "rl-bitwise"),  # plugins may add more (jengine.numerics.register_numerics_envelope)
+    "sampling_stream": ("batch", "per-request"),
+    "logprob_order": (
+        "torch",
+        "blockwise",
+        "blockwise-direct",
+        "blockwise-16384",
+        "blockwise-direct-16384",
+    ),
+    "layer_boundary_norm": ("fused", "unfused"),
+    "router_topk": ("auto", "torch"),
+    "moe_combine_order": ("rank", "slot"),
+    "dsa_slot_order": ("sorted", "selection"),
+    "yarn_ramp_mask_device": ("cpu", "device"),
+    "yarn_frequency_device": ("cpu", "device"),
+    "mla_lora_scale": ("folded", "runtime"),
+    "moe_backend": ("auto", "batch_invariant", "portable"),
+    "sampling_backend": ("canonical", "portable"),
+    "attention_backend": ("auto", "batch_invariant", "portable"),
+    "dtype": ("auto", "bfloat16", "float32"),
+    "tp_batch_invariant": ("off", "attn", "all"),
+}
+
+
+def _opt(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    # -- model ----------------------------------------------------------------------------------
+    model_path: str = _opt("tiny", "HF-format model directory, or 'tiny' for the embedded model")
+    dtype: str = _opt("auto", "activation/weight dtype; auto = the checkpoint's torch_dtype")
+    context_length: int | None = _opt(None, "max tokens per request (default: the model's)")
+    seed: int = _opt(0, "seed for anything random at launch (not sampling: that is per request)")
+
+    # -- numerics envelope and its switches (None = not given explicitly) ------------------------
+    numerics: str = _opt("auto", "numerical contract: auto, or rl-bitwise (bitwise run/batch "
+                         "invariance + trainer alignment)")
+    sampling_stream: str | None = _opt(None, "batch: one key per step; per-request: draws keyed "
+                                       "by (request seed, absolute position)")
+    logprob_order: str | None = _opt(None, "selected-token logprob arithmetic")
+    layer_boundary_norm: str | None = _opt(None, "fused add+norm (fp32 sum) or unfused "
+                                           "(bf16 residual materialised, then RMSNorm)")
+    router_topk: str | None = _opt(None, "MoE router top-k form (MoE families)")
+    moe_combine_order: str | None = _opt(None, "MoE combine fold order (MoE families)")
+    dsa_slot_order: str | None = _opt(None, "sparse-attention reduction order (DSA families)")
+    yarn_ramp_mask_device: str | None = _opt(None, "where the YaRN linear ramp is built")
+    yarn_frequency_device: str | None = _opt(None, "where YaRN powers/interpolation are computed")
+    mla_lora_scale: str | None = _opt(None, "MLA LoRA norm scale: folded into weights or runtime")
+    moe_backend: str | None = _opt(None, "MoE expert backend")
+    sampling_backend: str | None = _opt(None, "sampler backend (canonical = lowest-index greedy ties)")
+    attention_backend: str | None = _opt(None, "attention leaf selection")
+    batch_invariant_collectives: bool | None = _opt(None, "every reduction = all-gather + "
+                                                    "rank-ordered fp32 fold", flag=True)
+    force_deterministic_rsag: bool | None = _opt(None, "collectives on the plain path only", flag=True)
+    tp_batch_invariant: str | None = _opt(None, "decode layer without cross-rank sums outside MoE")
+    enable_eplb: bool | None = _opt(None, "online expert rebalancing (MoE families)", flag=True)
+    disable_autotune: bool | None = _opt(None, "no shape-dependent tactic choice", flag=True)
+    deterministic_ops: bool | None = _opt(None, "XLA deterministic ops flags", flag=True)
+    quantization: str | None = _opt(None, "checkpoint quantization (none supported under bitwise)")
+
+    # -- parallelism (single device for now; see sharding/) ------------------------------------
+    tp_size: int = _opt(1, "tensor parallel size")
+    moe_tp_size: int = _opt(1, "MoE tensor parallel size")
+
+    # -- scheduler and memory ------------------------------------------------------------------
+    page_size: int = _opt(16, "tokens per KV page")
+    max_total_tokens: int | None = _opt(None, "KV pool size in tokens (default: from memory)")
+    chunked_prefill_size: int = _opt(256, "max prefill tokens per request per step")
+    max_prefill_tokens: int = _opt(512, "token budget of one step (prefill + decode)")
+    max_running_requests: int = _opt(32, "max requests in the running set")
+    input_logprob_chunk_tokens: int = _opt(64, "rows per prompt-logprob chunk (bounds [rows, vocab])")
+    disable_radix_cache: bool = _opt(False, "turn the token-level prefix cache off", flag=True)
+    debug_force_retraction_interval: int = _opt(0, "retract every running request every N steps "
+                                                "(negative: also mid-prefill); 0 = off")
+    skip_warmup: bool = _opt(False, "do not compile the shape buckets at startup", flag=True)
+
+    # -- server ----------------------------------------------------------------------------------
+    host: str = _opt("127.0.0.1", "bind address (loopback by default)")
+    port: int = _opt(30000, "port")
+    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every route but /health")
+    served_model_name: str | None = _opt(None, "model name reported by /v1/models")
+    log_level: str = _opt("info", "log level")
+
+    def replace(self, **changes) -> "LaunchConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def validate_choices(cfg: LaunchConfig, extra_numerics: tuple[str, ...] = ()) -> None:
+    """Validate every closed-set switch once. Errors name the field and the value."""
+    for name, allowed in CHOICES.items():
+        value = getattr(cfg, name)
+        if value is None:
+            continue
+        if name == "numerics":
+            allowed = allowed + tuple(extra_numerics)
+        if value not in allowed:
+            raise ValueError(f"--{name.replace('_', '-')}={value!r} is not one of {list(allowed)}")
+    for name in ("page_size", "chunked_prefill_size", "max_prefill_tokens",
+                 "max_running_requests", "input_logprob_chunk_tokens", "tp_size", "moe_tp_size"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={value!r} must be a positive integer")
+    if cfg.max_total_tokens is not None and cfg.max_total_tokens < cfg.page_size:
+        raise ValueError(f"--max-total-tokens={cfg.max_total_tokens} is smaller than one page "
+                         f"(--page-size={cfg.page_size})")
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every LaunchConfig field becomes --kebab-case, with its help text and choices."""
+    for f in fields(LaunchConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_ = f.metadata.get("help", "")
+        if f.metadata.get("flag"):
+            parser.add_argument(flag, dest=f.name, action="store_true", default=f.default, help=help_)
+            continue
+        kw: dict[str, Any] = {"dest": f.name, "default": f.default, "help": help_}
+        if f.name in CHOICES and f.name != "numerics":
+            kw["choices"] = CHOICES[f.name]
+        typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "str")
+        if "int" in typ:
+            kw["type"] = int
+        parser.add_argument(flag, **kw)
+    parser.add_argument("--model", dest="model_path", default=argparse.SUPPRESS,
+                        help="alias of --model-path")
+
+
+def launch_config_from_args(args: argparse.Namespace) -> LaunchConfig:
+    names = {f.name for f in fields(LaunchConfig)}
+    return LaunchConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def launch_config_from_kwargs(model_path: str = "tiny", **kwargs) -> LaunchConfig:
+    """`Engine(model_path=..., numerics=..., **launch_options)` -> LaunchConfig, naming bad keys."""
+    names = {f.name for f in fields(LaunchConfig)}
+    unknown = sorted(set(kwargs) - names)
+    if unknown:
+        raise TypeError(f"unknown launch option(s) {unknown}; see `jengine serve --help`")
+    return LaunchConfig(model_path=model_path, **kwargs)

@@ -1,0 +1,58 @@
+"""What crosses from the scheduler to the jitted step: a flat ragged batch of token rows.
+
+The model never sees requests, only rows. Every value computed for a row depends on that row's
+token, position and its request's KV pages, never on which other rows share the step: that is the
+property rl-bitwise's batch invariance is built on.
+
+Page 0 of the KV pool is the *null page*: padding rows write their K/V there and padded block-table
+entries point there. No real request ever owns page 0, so nothing real is ever read from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+NULL_PAGE = 0
+
+
+@dataclass
+class StepBatch:
+    """Host-side arrays for one forward; the runner pads them to its shape buckets.
+
+    T = tokens in this step, R = requests in this step, P = max pages per request, S = rows whose
+    hidden states are returned (sampling rows and prompt-logprob rows).
+    """
+
+    input_ids: np.ndarray  # int32[T]: prefill chunks and decode tokens, grouped by request
+    positions: np.ndarray  # int32[T]: absolute position of each token in its request
+    token_req: np.ndarray  # int32[T]: row of block_tables the token belongs to
+    block_tables: np.ndarray  # int32[R, P]: page ids of each request, in position order
+    hidden_rows: np.ndarray  # int32[S]: indices into T whose final hidden states are wanted
+
+    def __post_init__(self) -> None:
+        self.input_ids = np.asarray(self.input_ids, np.int32)
+        self.positions = np.asarray(self.positions, np.int32)
+        self.token_req = np.asarray(self.token_req, np.int32)
+        self.block_tables = np.asarray(self.block_tables, np.int32).reshape(len(self.block_tables), -1)
+        self.hidden_rows = np.asarray(self.hidden_rows, np.int32)
+        t = len(self.input_ids)
+        if not (len(self.positions) == len(self.token_req) == t):
+            raise ValueError("input_ids, positions and token_req must have one entry per token")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class SamplingRows:
+    """Per-row sampling parameters for the rows handed to the sampler (S rows)."""
+
+    temperature: np.ndarray  # f32[S]; 0 = greedy
+    top_k: np.ndarray  # int32[S]; -1 or >= vocab = off
+    top_p: np.ndarray  # f32[S]; 1 = off
+    min_p: np.ndarray  # f32[S]; 0 = off
+    seed: np.ndarray  # uint32[S]: explicit seed, else crc32(rid)
+    position: np.ndarray  # int32[S]: absolute position of the token being sampled

@@ -1,0 +1,160 @@
+"""The model runner: weights, the paged KV pool, and the jitted step over fixed shape buckets.
+
+The scheduler hands over a `StepBatch` of exact sizes; the runner pads it to a (tokens, pages)
+bucket so the number of compiled programs stays small, runs the jitted forward with the KV pool
+donated (updated in place), and returns the hidden states of the rows the caller asked for.
+Padding rows write into the null page and are never read by real rows, so padding cannot change a
+real row's bits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from jengine.engine.batch import NULL_PAGE, StepBatch
+from jengine.models.dense import DenseDecoder, ModelKernels
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOTAL_TOKENS = 65536
+MIN_TOKEN_BUCKET = 16
+MIN_LOGIT_BUCKET = 8
+
+_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+
+
+def _next_pow2(n: int, minimum: int = 1) -> int:
+    n = max(n, minimum)
+    return 1 << (n - 1).bit_length()
+
+
+def model_dtype(launch_dtype: str, checkpoint_dtype: str | None):
+    name = checkpoint_dtype if launch_dtype == "auto" else launch_dtype
+    if name not in _DTYPES:
+        raise ValueError(f"dtype={name!r} is not supported (supported: {sorted(_DTYPES)})")
+    return jnp.dtype(_DTYPES[name])
+
+
+class ModelRunner:
+    def __init__(self, loaded, resolved):
+        cfg = loaded.config
+        launch = resolved.config
+        self.model_config = cfg
+        self.resolved = resolved
+        self.dtype = model_dtype(launch.dtype, cfg.torch_dtype or "bfloat16")
+        self.kernels = ModelKernels.plan_for(dtype=self.dtype, hardware=resolved.hardware,
+                                             features=resolved.required_features)
+        logger.info("kernel plans: %s", self.kernels.describe())
+        model = DenseDecoder(cfg, loaded.weights, dtype=self.dtype, kernels=self.kernels,
+                             layer_boundary_norm=launch.layer_boundary_norm,
+                             rope_device=launch.yarn_frequency_device)
+        self._graphdef, self._state = nnx.split(model)
+
+        self.page_size = launch.page_size
+        self.max_context = min(launch.context_length or cfg.max_position_embeddings,
+                               cfg.max_position_embeddings)
+        self.max_pages_per_request = -(-self.max_context // self.page_size)
+        total_tokens = launch.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS
+        self.num_pages = total_tokens // self.page_size + 1  # + the null page
+        kv_shape = (cfg.num_hidden_layers, self.num_pages, self.page_size,
+                    cfg.num_key_value_heads, cfg.head_dim)
+        self.k_cache = jnp.zeros(kv_shape, self.dtype)
+        self.v_cache = jnp.zeros(kv_shape, self.dtype)
+        self.max_step_tokens = launch.max_prefill_tokens + launch.max_running_requests
+
+        self._forward = jax.jit(self._forward_impl, donate_argnums=(1, 2))
+        self._logits = jax.jit(self._logits_impl)
+        self._copy = jax.jit(self._copy_impl, donate_argnums=(0, 1))
+        self._write = jax.jit(self._write_impl, donate_argnums=(0, 1))
+
+    # -- jitted bodies ----------------------------------------------------------------------------
+    def _forward_impl(self, state, k_cache, v_cache, input_ids, positions, token_pages):
+        model = nnx.merge(self._graphdef, state)
+        return model(input_ids, positions, token_pages, k_cache, v_cache)
+
+    def _logits_impl(self, state, hidden):
+        return nnx.merge(self._graphdef, state).compute_logits(hidden)
+
+    @staticmethod
+    def _copy_impl(k_cache, v_cache, src, dst):
+        return k_cache.at[:, dst].set(k_cache[:, src]), v_cache.at[:, dst].set(v_cache[:, src])
+
+    @staticmethod
+    def _write_impl(k_cache, v_cache, pages, k_data, v_data):
+        return k_cache.at[:, pages].set(k_data), v_cache.at[:, pages].set(v_data)
+
+    # -- the step ---------------------------------------------------------------------------------
+    def forward(self, batch: StepBatch) -> jax.Array:
+        """Run one step; returns final-norm hidden states [S, H] for ``batch.hidden_rows``."""
+        t = batch.num_tokens
+        if t == 0:
+            raise ValueError("empty step batch")
+        t_pad = _next_pow2(t, MIN_TOKEN_BUCKET)
+        p = batch.block_tables.shape[1]
+        p_pad = min(_next_pow2(max(p, 1)), _next_pow2(self.max_pages_per_request))
+        p_pad = max(p_pad, p)
+        input_ids = np.zeros(t_pad, np.int32)
+        positions = np.zeros(t_pad, np.int32)
+        token_pages = np.full((t_pad, p_pad), NULL_PAGE, np.int32)
+        input_ids[:t] = batch.input_ids
+        positions[:t] = batch.positions
+        token_pages[:t, :p] = batch.block_tables[batch.token_req]
+        hidden, self.k_cache, self.v_cache = self._forward(
+            self._state, self.k_cache, self.v_cache, input_ids, positions, token_pages)
+        return jnp.take(hidden, jnp.asarray(batch.hidden_rows, jnp.int32), axis=0)
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """[n, H] -> [n, V] float32, computed in a padded bucket (rows are independent)."""
+        n = hidden.shape[0]
+        n_pad = _next_pow2(n, MIN_LOGIT_BUCKET)
+        if n_pad != n:
+            hidden = jnp.pad(hidden, ((0, n_pad - n), (0, 0)))
+        return self._logits(self._state, hidden)[:n]
+
+    # -- page images (prefix-cache copy-on-write, retraction) --------------------------------------
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        if src:
+            self.k_cache, self.v_cache = self._copy(self.k_cache, self.v_cache,
+                                                    np.asarray(src, np.int32), np.asarray(dst, np.int32))
+
+    def read_pages(self, pages: list[int]) -> np.ndarray:
+        """The exact bytes of those pages, K then V: [2, L, n, page_size, Hkv, D]."""
+        idx = np.asarray(pages, np.int32)
+        return np.stack([np.asarray(self.k_cache[:, idx]), np.asarray(self.v_cache[:, idx])])
+
+    def write_pages(self, pages: list[int], data: np.ndarray) -> None:
+        if len(pages):
+            self.k_cache, self.v_cache = self._write(self.k_cache, self.v_cache,
+                                                     np.asarray(pages, np.int32),
+                                                     jnp.asarray(data[0]), jnp.asarray(data[1]))
+
+    # -- startup ----------------------------------------------------------------------------------
+    def token_buckets(self) -> list[int]:
+        top = _next_pow2(self.max_step_tokens, MIN_TOKEN_BUCKET)
+        return [1 << i for i in range(MIN_TOKEN_BUCKET.bit_length() - 1, top.bit_length())]
+
+    def page_buckets(self) -> list[int]:
+        top = _next_pow2(self.max_pages_per_request)
+        return [1 << i for i in range(top.bit_length())]
+
+    def warmup(self) -> float:
+        """Compile every (tokens, pages) bucket; returns the seconds it took."""
+        start = time.perf_counter()
+        combos = list(itertools.product(self.token_buckets(), self.page_buckets()))
+        for t, p in tqdm(combos, desc="compiling step buckets", unit="bucket"):
+            # A real call (not .lower().compile()) so the jit dispatch cache is filled; every row is
+            # padding and writes only into the null page.
+            _, self.k_cache, self.v_cache = self._forward(
+                self._state, self.k_cache, self.v_cache, np.zeros(t, np.int32),
+                np.zeros(t, np.int32), np.full((t, p), NULL_PAGE, np.int32))
+        seconds = time.perf_counter() - start
+        logger.info("compiled %d step buckets in %.1f s", len(combos), seconds)
+        return seconds

@@ -1,0 +1,191 @@
+"""The dense decoder family: HF LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM.
+
+GQA attention with RoPE (default / llama3 / yarn), RMSNorm, SwiGLU, Qwen2's qkv bias, Qwen3's
+per-head q/k norm, tied or untied embeddings, and split input/output vocabularies.
+
+The model sees a flat ragged batch of token rows (jengine/engine/batch.py) and knows nothing about
+requests or scheduling. Every reduction goes through a planned leaf (`ModelKernels`), chosen once at
+construction; the glue between leaves is exact elementwise work in the model dtype (casts, adds,
+multiplies, gathers), in the order HF's forward performs it, because that order is what the
+trainer's bits follow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jengine.models.rope import apply_rope, rope_tables
+from pallas_kernels.registry import KernelPlan, plan
+
+# Importing the leaf modules registers them.
+import pallas_kernels.activation  # noqa: F401
+import pallas_kernels.attention  # noqa: F401
+import pallas_kernels.gemm  # noqa: F401
+import pallas_kernels.rmsnorm  # noqa: F401
+
+
+@dataclass(frozen=True)
+class ModelKernels:
+    """The frozen leaf choices of one model, made once at construction."""
+
+    gemm: KernelPlan
+    rmsnorm: KernelPlan
+    add_rmsnorm: KernelPlan
+    silu: KernelPlan
+    attention: KernelPlan
+
+    @classmethod
+    def plan_for(cls, *, dtype, hardware: str, features=frozenset()) -> "ModelKernels":
+        fmt = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float32): "f32"}[jnp.dtype(dtype)]
+        kw = dict(formats={fmt}, hardware=hardware, features=features)
+        return cls(
+            gemm=plan("linear", "gemm", **kw),
+            rmsnorm=plan("norm", "rmsnorm", **kw),
+            add_rmsnorm=plan("norm", "add_rmsnorm", **kw),
+            silu=plan("activation", "silu", **kw),
+            attention=plan("attention", "paged", **kw),
+        )
+
+    def describe(self) -> dict[str, str]:
+        return {f: getattr(self, f).leaf.impl for f in self.__dataclass_fields__}
+
+
+def _param(weights: dict, name: str, dtype, transpose: bool = False) -> nnx.Param:
+    if name not in weights:
+        raise KeyError(f"checkpoint is missing tensor {name!r}")
+    arr = np.asarray(weights[name])
+    if transpose:
+        arr = arr.T
+    return nnx.Param(jnp.asarray(arr).astype(dtype))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg, weights: dict, index: int, dtype):
+        p = f"model.layers.{index}."
+        a = p + "self_attn."
+        self.input_layernorm = _param(weights, p + "input_layernorm.weight", dtype)
+        self.post_attention_layernorm = _param(weights, p + "post_attention_layernorm.weight", dtype)
+        # Projections are stored [in, out] so a leaf computes x @ w.
+        self.q_proj = _param(weights, a + "q_proj.weight", dtype, transpose=True)
+        self.k_proj = _param(weights, a + "k_proj.weight", dtype, transpose=True)
+        self.v_proj = _param(weights, a + "v_proj.weight", dtype, transpose=True)
+        self.o_proj = _param(weights, a + "o_proj.weight", dtype, transpose=True)
+        self.has_bias = bool(cfg.attention_bias)
+        if self.has_bias:
+            self.q_bias = _param(weights, a + "q_proj.bias", dtype)
+            self.k_bias = _param(weights, a + "k_proj.bias", dtype)
+            self.v_bias = _param(weights, a + "v_proj.bias", dtype)
+        self.qk_norm = bool(cfg.qk_norm)
+        if self.qk_norm:
+            self.q_norm = _param(weights, a + "q_norm.weight", dtype)
+            self.k_norm = _param(weights, a + "k_norm.weight", dtype)
+        m = p + "mlp."
+        self.gate_proj = _param(weights, m + "gate_proj.weight", dtype, transpose=True)
+        self.up_proj = _param(weights, m + "up_proj.weight", dtype, transpose=True)
+        self.down_proj = _param(weights, m + "down_proj.weight", dtype, transpose=True)
+
+
+class DenseDecoder(nnx.Module):
+    """Weights and the forward of one dense decoder. Built from HF-named numpy weights."""
+
+    def __init__(self, cfg, weights: dict, *, dtype, kernels: ModelKernels,
+                 layer_boundary_norm: str = "unfused", rope_device: str = "device"):
+        self.cfg = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.kernels = kernels
+        self.unfused_norm = layer_boundary_norm == "unfused"
+        self.embed_tokens = _param(weights, "model.embed_tokens.weight", dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, weights, i, dtype)
+                                for i in range(cfg.num_hidden_layers)])
+        self.norm = _param(weights, "model.norm.weight", dtype)
+        if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
+            head = np.asarray(weights["model.embed_tokens.weight"])[: cfg.vocab_size]
+        else:
+            head = np.asarray(weights["lm_head.weight"])
+        if head.shape[0] != cfg.vocab_size:
+            raise ValueError(f"LM head has {head.shape[0]} rows but vocab_size={cfg.vocab_size}")
+        self.lm_head = nnx.Param(jnp.asarray(head.T).astype(dtype))  # [H, V]
+        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                               cfg.max_position_embeddings, self.dtype, device=rope_device)
+        self.rope_cos = nnx.Variable(cos)
+        self.rope_sin = nnx.Variable(sin)
+
+    # -- forward ----------------------------------------------------------------------------------
+    def __call__(self, input_ids, positions, token_pages, k_cache, v_cache):
+        """One step over T token rows.
+
+        input_ids, positions [T]; token_pages [T, P] (each token's request's pages);
+        k_cache, v_cache [L, num_pages, page_size, Hkv, D]. Returns the final-norm hidden states
+        [T, H] and the updated caches (every row's K/V written before any row attends).
+        """
+        cfg, kern = self.cfg, self.kernels
+        page_size = k_cache.shape[2]
+        page = jnp.take_along_axis(token_pages, (positions // page_size)[:, None], axis=1)[:, 0]
+        slot = positions % page_size
+        cos = self.rope_cos[...][positions]
+        sin = self.rope_sin[...][positions]
+        eps = cfg.rms_norm_eps
+
+        h = self.embed_tokens[...][input_ids]
+        residual = None
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            if self.unfused_norm or residual is None:
+                if residual is not None:
+                    h = residual + h  # the trainer's bf16 residual, materialised
+                residual = h
+                x = kern.rmsnorm(h, layer.input_layernorm[...], eps=eps)
+            else:
+                x, residual = kern.add_rmsnorm(h, residual, layer.input_layernorm[...], eps=eps)
+            attn, kc, vc = self._attention(layer, x, positions, token_pages, page, slot, cos, sin,
+                                           k_cache[i], v_cache[i])
+            new_k.append(kc)
+            new_v.append(vc)
+            if self.unfused_norm:
+                h = residual + attn
+                residual = h
+                x = kern.rmsnorm(h, layer.post_attention_layernorm[...], eps=eps)
+            else:
+                x, residual = kern.add_rmsnorm(attn, residual, layer.post_attention_layernorm[...],
+                                               eps=eps)
+            h = self._mlp(layer, x)
+        if self.unfused_norm:
+            out = kern.rmsnorm(residual + h, self.norm[...], eps=eps)
+        else:
+            out, _ = kern.add_rmsnorm(h, residual, self.norm[...], eps=eps)
+        return out, jnp.stack(new_k), jnp.stack(new_v)
+
+    def _linear(self, x, w, bias=None):
+        return self.kernels.gemm(x, w[...], None if bias is None else bias[...], out_dtype=self.dtype)
+
+    def _attention(self, layer, x, positions, token_pages, page, slot, cos, sin, k_cache, v_cache):
+        cfg, kern = self.cfg, self.kernels
+        t = x.shape[0]
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = layer.has_bias
+        q = self._linear(x, layer.q_proj, layer.q_bias if bias else None).reshape(t, hq, d)
+        k = self._linear(x, layer.k_proj, layer.k_bias if bias else None).reshape(t, hkv, d)
+        v = self._linear(x, layer.v_proj, layer.v_bias if bias else None).reshape(t, hkv, d)
+        if layer.qk_norm:
+            q = kern.rmsnorm(q.reshape(t * hq, d), layer.q_norm[...], eps=cfg.rms_norm_eps).reshape(t, hq, d)
+            k = kern.rmsnorm(k.reshape(t * hkv, d), layer.k_norm[...], eps=cfg.rms_norm_eps).reshape(t, hkv, d)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        k_cache = k_cache.at[page, slot].set(k.astype(k_cache.dtype))
+        v_cache = v_cache.at[page, slot].set(v.astype(v_cache.dtype))
+        o = kern.attention(q, k_cache, v_cache, token_pages, positions, scale=d ** -0.5)
+        return self._linear(o.reshape(t, hq * d), layer.o_proj), k_cache, v_cache
+
+    def _mlp(self, layer, x):
+        gate = self._linear(x, layer.gate_proj)
+        up = self._linear(x, layer.up_proj)
+        return self._linear(self.kernels.silu(gate) * up, layer.down_proj)
+
+    def compute_logits(self, hidden):
+        """LM head: [n, H] -> [n, V] in the model dtype, widened to f32 (an exact conversion)."""
+        return self._linear(hidden, self.lm_head).astype(jnp.float32)

@@ -1,0 +1,77 @@
+"""("norm", "rmsnorm") and ("norm", "add_rmsnorm").
+
+``rmsnorm(x, weight, *, eps)`` is the HF/trainer form: widen to f32, mean of squares, multiply by
+``rsqrt(var + eps)``, round to the input dtype, multiply by the weight in that dtype, round again.
+The mean is a fixed tree over the hidden size divided by H (fixed_order.tree_sum), so a row's bits
+never depend on how many rows share the call.
+
+``add_rmsnorm(x, residual, weight, *, eps) -> (normed, new_residual)`` is the fused layer-boundary
+form (``--layer-boundary-norm fused``): the sum ``x + residual`` stays f32 for the norm, while the
+residual stream keeps its rounded value. ``unfused`` (the trainer's form) materialises the rounded
+sum first and calls ``rmsnorm`` on it.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._twin import torch_twin
+from pallas_kernels.fixed_order import tree_sum
+from pallas_kernels.registry import Priority, register
+
+_INVARIANT = dict(traits={"deterministic": True, "batch_invariant": True},
+                  features={"batch_invariant"})
+
+
+def _normalize(xf, eps, mean_of_squares):
+    var = mean_of_squares(xf * xf)
+    return xf * lax.rsqrt(var + jnp.float32(eps))
+
+
+def _fixed_mean(sq):
+    return (tree_sum(sq, axis=-1) / jnp.float32(sq.shape[-1]))[..., None]
+
+
+def _native_mean(sq):
+    return jnp.mean(sq, axis=-1, keepdims=True)
+
+
+@register("norm", "rmsnorm", "fixed_order", formats={"bf16", "f32"}, hardware={"any"},
+          priority=Priority.PORTABLE, **_INVARIANT)
+def rmsnorm(x, weight, *, eps):
+    normed = _normalize(x.astype(jnp.float32), eps, _fixed_mean).astype(x.dtype)
+    return (weight.astype(x.dtype) * normed).astype(x.dtype)
+
+
+@register("norm", "rmsnorm", "xla_native", formats={"bf16", "f32"}, hardware={"any"},
+          priority=Priority.TUNED + 1, traits={"batch_invariant": False})
+def rmsnorm_xla_native(x, weight, *, eps):
+    normed = _normalize(x.astype(jnp.float32), eps, _native_mean).astype(x.dtype)
+    return (weight.astype(x.dtype) * normed).astype(x.dtype)
+
+
+@register("norm", "add_rmsnorm", "fixed_order", formats={"bf16", "f32"}, hardware={"any"},
+          priority=Priority.PORTABLE, **_INVARIANT)
+def add_rmsnorm(x, residual, weight, *, eps):
+    total = x.astype(jnp.float32) + residual.astype(jnp.float32)
+    normed = _normalize(total, eps, _fixed_mean).astype(x.dtype)
+    return (weight.astype(x.dtype) * normed).astype(x.dtype), total.astype(x.dtype)
+
+
+@register("norm", "add_rmsnorm", "xla_native", formats={"bf16", "f32"}, hardware={"any"},
+          priority=Priority.TUNED + 1, traits={"batch_invariant": False})
+def add_rmsnorm_xla_native(x, residual, weight, *, eps):
+    total = x.astype(jnp.float32) + residual.astype(jnp.float32)
+    normed = _normalize(total, eps, _native_mean).astype(x.dtype)
+    return (weight.astype(x.dtype) * normed).astype(x.dtype), total.astype(x.dtype)
+
+
+def mean_fixed_order(x):
+    """The fixed-order mean over the last axis (keepdim): what trainer mode routes ``mean`` to."""
+    return _fixed_mean(x.astype(jnp.float32)).astype(x.dtype)
+
+
+rmsnorm_torch = torch_twin(rmsnorm, static_argnames=("eps",))
+mean_fixed_order_torch = torch_twin(mean_fixed_order)
+rsqrt_torch = torch_twin(lax.rsqrt)
