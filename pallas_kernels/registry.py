@@ -184,14 +184,27 @@ def _exclusion(leaf, formats, hardware, geometry, features, traits, impl) -> str
     if missing:
         return f"does not declare required features {sorted(missing)}"
     for trait, wanted in traits.items():
-        if trait in leaf.traits and leaf.traits[trait] != wanted:
+        if trait in leaf.traits and not _trait_matches(leaf.traits[trait], wanted):
             return f"declares {trait}={leaf.traits[trait]!r}, requested {wanted!r}"
     if leaf.constrains_variable_dims:
         return "constrains a variable dimension (rows/tokens)"
     for dim, pred in leaf.constraints.items():
-        if dim in geometry and not pred(geometry[dim]):
+        # A constraint the plan cannot check is not a pass: the leaf could meet a shape it rejects.
+        if dim not in geometry:
+            return f"constrains {dim} but the plan's geometry does not give it"
+        if not pred(geometry[dim]):
             return f"rejects {dim}={geometry[dim]!r}"
     return None
+
+
+def _trait_matches(declared, wanted) -> bool:
+    """A trait is a value (batch_invariant=True) or the set of values a leaf supports
+    (combine_order={"rank", "slot"}); a request names one value or a set it needs all of."""
+    if isinstance(declared, (set, frozenset, tuple, list)):
+        if isinstance(wanted, (set, frozenset, tuple, list)):
+            return set(wanted) <= set(declared)
+        return wanted in declared
+    return declared == wanted
 
 
 REGISTRY = Registry()

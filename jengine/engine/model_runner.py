@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from jengine.engine.batch import NULL_PAGE, StepBatch
 from jengine.models.dense import DenseDecoder, ModelKernels
+from jengine.numerics import check_model
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ class ModelRunner:
     def __init__(self, loaded, resolved):
         cfg = loaded.config
         launch = resolved.config
+        # Everything the envelope needs from the model is checked here, once, never per forward.
+        check_model(resolved, cfg)
         self.model_config = cfg
         self.resolved = resolved
         self.dtype = model_dtype(launch.dtype, cfg.torch_dtype or "bfloat16")

@@ -76,6 +76,9 @@ class DecoderLayer(nnx.Module):
         self.v_proj = _param(weights, a + "v_proj.weight", dtype, transpose=True)
         self.o_proj = _param(weights, a + "o_proj.weight", dtype, transpose=True)
         self.has_bias = bool(cfg.attention_bias)
+        self.has_o_bias = bool(getattr(cfg, "attention_output_bias", False))
+        if self.has_o_bias:
+            self.o_bias = _param(weights, a + "o_proj.bias", dtype)
         if self.has_bias:
             self.q_bias = _param(weights, a + "q_proj.bias", dtype)
             self.k_bias = _param(weights, a + "k_proj.bias", dtype)
@@ -179,7 +182,8 @@ class DenseDecoder(nnx.Module):
         k_cache = k_cache.at[page, slot].set(k.astype(k_cache.dtype))
         v_cache = v_cache.at[page, slot].set(v.astype(v_cache.dtype))
         o = kern.attention(q, k_cache, v_cache, token_pages, positions, scale=d ** -0.5)
-        return self._linear(o.reshape(t, hq * d), layer.o_proj), k_cache, v_cache
+        o_bias = layer.o_bias if layer.has_o_bias else None
+        return self._linear(o.reshape(t, hq * d), layer.o_proj, o_bias), k_cache, v_cache
 
     def _mlp(self, layer, x):
         gate = self._linear(x, layer.gate_proj)

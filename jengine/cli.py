@@ -1,0 +1,51 @@
+"""`jengine <command>`: one entry point, one module per command.
+
+Each command module exposes ``add_parser(subparsers)`` and ``main(args) -> int``; this file only
+wires them, importing a module when its command runs so `jengine --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "serve": ("jengine.server.cli", "serve the OpenAI and SGLang /generate APIs over HTTP"),
+    "generate": ("jengine.generate", "generate a completion offline and print it"),
+    "invariance": ("jengine.invariance", "run the rl-bitwise invariance harness"),
+    "align": ("interop.align", "teacher-force a trainer dump and compare logprobs bitwise"),
+    "ops-report": ("interop.ops_report", "compare jengine's ops with torch's, bit by bit"),
+    "bench": ("jengine.bench", "benchmark decode/prefill on the accelerator"),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jengine", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        if command is not None and name != command:
+            sub.add_parser(name, help=help_)
+            continue
+        mod = importlib.import_module(module)
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from jengine.numerics import load_numerics_plugins
+
+    load_numerics_plugins()  # plugin envelopes exist before any --numerics is validated
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    parser = build_parser(command)
+    if command is None:
+        parser.print_help()
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    args = parser.parse_args(argv)
+    module = importlib.import_module(COMMANDS[command][0])
+    return int(module.main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

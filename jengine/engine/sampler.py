@@ -1,0 +1,165 @@
+"""The Sampler: token choice and logprobs for the rows the model runner hands back.
+
+It plans its leaves once, at construction, from the resolved launch (required features and
+hardware), so under rl-bitwise a missing batch-invariant leaf fails at startup instead of falling
+back. Execution calls the saved plans inside jitted functions over padded row buckets: S is padded up
+to a power of two so only a few shapes compile. Padding rows are zeros with greedy parameters; every
+leaf is row-local, so they never change a real row's bits (tested in tests/test_sampling_logprobs.py).
+
+Streams: the only random stream is per-request, keyed by (request seed, absolute position). A launch
+whose `sampling_stream` says "batch" gets it too; it is strictly stronger and needs no step key.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jengine.engine.batch import SamplingRows
+from pallas_kernels import sampling as _sampling  # noqa: F401  (registers the sampling leaves)
+from pallas_kernels.logprobs import gather_token_logprobs, logprob_block_width, top_logprobs
+from pallas_kernels.registry import plan
+
+logger = logging.getLogger(__name__)
+
+
+def row_bucket(rows: int) -> int:
+    """Smallest power of two >= rows (>= 1): the padded row count a call compiles for."""
+    return 1 << max(0, int(rows) - 1).bit_length()
+
+
+class Sampler:
+    """`Sampler(resolved, vocab_size)`; see docs of `sample`, `token_logprobs`, `top_logprobs`.
+
+    `resolved` is a `ResolvedLaunch` (jengine.numerics); any object with `.config.logprob_order`,
+    `.required_features` and `.hardware` works.
+    """
+
+    def __init__(self, resolved: Any, vocab_size: int) -> None:
+        if not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1:
+            raise ValueError(f"vocab_size={vocab_size!r} must be a positive integer")
+        order = resolved.config.logprob_order
+        if order is None:
+            raise ValueError("logprob_order is None: the Sampler needs a resolved launch "
+                             "(jengine.numerics.resolve_launch) with every switch concrete")
+        self.vocab_size = int(vocab_size)
+        self.logprob_order = order
+        self.block_width = logprob_block_width(order, self.vocab_size)  # ValueError names both
+        self.required_features = frozenset(resolved.required_features)
+        self.hardware = resolved.hardware
+        common = dict(formats={"f32"}, hardware=self.hardware, features=self.required_features)
+        self.block_sumexp_plan = plan("sampling", "block_sumexp",
+                                      geometry={"vocab_size": self.vocab_size,
+                                                "block_size": self.block_width}, **common)
+        self.argmax_plan = plan("sampling", "argmax", **common)
+        self.gumbel_plan = plan("sampling", "gumbel", **common)
+        for p in (self.block_sumexp_plan, self.argmax_plan, self.gumbel_plan):
+            logger.info("sampler plan: %s", p.describe())
+
+        block_plan = self.block_sumexp_plan
+        self._token_logprobs = jax.jit(
+            lambda logits, ids: gather_token_logprobs(logits, ids, order, block_plan))
+        self._top_logprobs = jax.jit(
+            lambda logits, k: top_logprobs(logits, k, order, block_plan), static_argnums=1)
+        argmax_plan, gumbel_plan = self.argmax_plan, self.gumbel_plan
+        self._argmax = jax.jit(lambda logits: argmax_plan(logits))
+
+        def gumbel(logits, *rows, use_top_k: bool, use_top_p: bool):
+            return gumbel_plan(logits, *rows, use_top_k=use_top_k, use_top_p=use_top_p)
+
+        self._gumbel = jax.jit(gumbel, static_argnames=("use_top_k", "use_top_p"))
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _check_logits(self, logits) -> int:
+        if logits.ndim != 2 or logits.shape[1] != self.vocab_size:
+            raise ValueError(f"logits shape {tuple(logits.shape)} is not [rows, vocab_size="
+                             f"{self.vocab_size}]")
+        return int(logits.shape[0])
+
+    @staticmethod
+    def _pad_rows(logits, bucket: int):
+        rows = logits.shape[0]
+        logits = jnp.asarray(logits)
+        if logits.dtype != jnp.float32:
+            logits = logits.astype(jnp.float32)  # bf16 -> f32 is exact
+        if rows == bucket:
+            return logits
+        return jnp.pad(logits, ((0, bucket - rows), (0, 0)))
+
+    @staticmethod
+    def _pad_host(values, bucket: int, dtype, fill) -> np.ndarray:
+        out = np.full(bucket, fill, dtype)
+        out[: len(values)] = values
+        return out
+
+    # -- the three calls --------------------------------------------------------------------------
+    def sample(self, logits, rows: SamplingRows) -> np.ndarray:
+        """np.int32[S]: greedy rows take the canonical argmax, others a per-request Gumbel draw."""
+        s = self._check_logits(logits)
+        fields = {name: np.asarray(getattr(rows, name)) for name in
+                  ("temperature", "top_k", "top_p", "min_p", "seed", "position")}
+        for name, value in fields.items():
+            if value.shape != (s,):
+                raise ValueError(f"SamplingRows.{name} has shape {value.shape}, expected ({s},)")
+        temperature = fields["temperature"].astype(np.float32)
+        bad = np.flatnonzero(~np.isfinite(temperature) | (temperature < 0))
+        if bad.size:
+            raise ValueError(f"SamplingRows.temperature[{bad[0]}]={temperature[bad[0]]} must be a "
+                             "finite number >= 0")
+        if s == 0:
+            return np.zeros(0, np.int32)
+        bucket = row_bucket(s)
+        padded = self._pad_rows(logits, bucket)
+        if not np.any(temperature > 0):
+            return np.asarray(self._argmax(padded))[:s].astype(np.int32)
+        top_k = fields["top_k"].astype(np.int32)
+        top_p = fields["top_p"].astype(np.float32)
+        args = (
+            self._pad_host(temperature, bucket, np.float32, 0.0),
+            self._pad_host(top_k, bucket, np.int32, -1),
+            self._pad_host(top_p, bucket, np.float32, 1.0),
+            self._pad_host(fields["min_p"].astype(np.float32), bucket, np.float32, 0.0),
+            self._pad_host(fields["seed"].astype(np.uint32), bucket, np.uint32, 0),
+            self._pad_host(fields["position"].astype(np.int32), bucket, np.int32, 0),
+        )
+        sampled = temperature > 0  # filters on greedy rows do not matter; skip their sort
+        use_top_k = bool(np.any(sampled & (top_k > 0) & (top_k < self.vocab_size)))
+        use_top_p = bool(np.any(sampled & (top_p < 1.0)))
+        out = self._gumbel(padded, *args, use_top_k=use_top_k, use_top_p=use_top_p)
+        return np.asarray(out)[:s].astype(np.int32)
+
+    def token_logprobs(self, logits, token_ids) -> np.ndarray:
+        """np.float32[S]: THE logprob function (launch's --logprob-order), prompt and output alike."""
+        s = self._check_logits(logits)
+        ids = np.asarray(token_ids)
+        if ids.shape != (s,):
+            raise ValueError(f"token_ids has shape {ids.shape}, expected ({s},)")
+        bad = np.flatnonzero((ids < 0) | (ids >= self.vocab_size))
+        if bad.size:
+            raise ValueError(f"token_ids[{bad[0]}]={int(ids[bad[0]])} is outside the output "
+                             f"vocabulary [0, {self.vocab_size})")
+        if s == 0:
+            return np.zeros(0, np.float32)
+        bucket = row_bucket(s)
+        out = self._token_logprobs(self._pad_rows(logits, bucket),
+                                   self._pad_host(ids.astype(np.int32), bucket, np.int32, 0))
+        return np.asarray(out)[:s]
+
+    def top_logprobs(self, logits, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(np.float32[S, k], np.int32[S, k]): each row's k largest logprobs, lowest id on ties."""
+        s = self._check_logits(logits)
+        if not isinstance(k, (int, np.integer)) or not 0 <= k <= self.vocab_size:
+            raise ValueError(f"top_logprobs_num={k!r} must be an integer in [0, {self.vocab_size}]")
+        if s == 0 or k == 0:
+            return np.zeros((s, k), np.float32), np.zeros((s, k), np.int32)
+        values, ids = self._top_logprobs(self._pad_rows(logits, row_bucket(s)), int(k))
+        return np.asarray(values)[:s], np.asarray(ids)[:s].astype(np.int32)
+
+    def describe(self) -> dict[str, str]:
+        return {"logprob_order": self.logprob_order, "block_width": str(self.block_width),
+                **{p.name: p.leaf.impl for p in (self.block_sumexp_plan, self.argmax_plan,
+                                                 self.gumbel_plan)}}

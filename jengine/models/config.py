@@ -1,0 +1,264 @@
+"""`ModelConfig`: the runtime's view of a Hugging Face `config.json` (dense decoder families).
+
+`ModelConfig.from_hf_dict` reads the checkpoint's `config.json` (as written by transformers 4.x or
+5.x) and normalises the few places where the families and the transformers versions disagree:
+
+- architecture: `architectures[0]`, or the family named by `model_type` when `architectures` is
+  null (what `PretrainedConfig.to_dict()` gives for a config built in code);
+- head_dim: the config's `head_dim`, else hidden_size // num_attention_heads;
+- attention_bias: Qwen2 always has q/k/v biases; Llama and Qwen3 follow `attention_bias`;
+- rope: transformers 5 moved `rope_theta` and `rope_scaling` into `rope_parameters`; both layouts
+  become `rope_theta` plus `rope_scaling` = None (plain RoPE) or {"rope_type": ..., params};
+- vocabularies: the spec's "Input and output vocabularies" section. The checkpoint's `vocab_size`
+  is the embedding size (runtime `input_vocab_size`); its optional `output_vocab_size` is the head
+  size (runtime `vocab_size`); missing or null means equal.
+
+The Hugging Face dict itself is never rewritten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+# `model_type` -> architecture, used only when `architectures` is missing or null.
+_MODEL_TYPE_TO_ARCHITECTURE = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+_DEFAULT_ROPE_THETA = 10000.0
+
+
+def check_vocab_sizes(input_vocab_size: Any, vocab_size: Any) -> None:
+    """The spec's rule: both positive integers, output vocabulary within the input vocabulary."""
+    def is_positive_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+    prefix = (f"invalid vocabulary sizes: input_vocab_size={input_vocab_size!r}, "
+              f"vocab_size={vocab_size!r}")
+    # The checkpoint spells these differently; say so, since that is where a user will look.
+    hint = ("(from config.json: vocab_size -> input_vocab_size, "
+            "output_vocab_size -> vocab_size; a missing or null output_vocab_size means equal)")
+    if not (is_positive_int(input_vocab_size) and is_positive_int(vocab_size)):
+        raise ValueError(f"{prefix}: both must be positive integers {hint}")
+    if vocab_size > input_vocab_size:
+        raise ValueError(f"{prefix}: the output vocabulary (vocab_size) must fit within the input "
+                         f"vocabulary (input_vocab_size) {hint}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str               # HF class name, one of SUPPORTED_ARCHITECTURES
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None       # None = plain RoPE; else {"rope_type": ..., params}, no rope_theta
+    max_position_embeddings: int
+    vocab_size: int                 # OUTPUT vocabulary: LM head rows, sampling, logprob targets
+    input_vocab_size: int           # embedding rows, input token bounds
+    tie_word_embeddings: bool
+    attention_bias: bool            # q/k/v projection biases (see attention_output_bias for o_proj)
+    qk_norm: bool                   # per-head RMSNorm on q and k (Qwen3)
+    torch_dtype: str                # "bfloat16", "float16", "float32" (no "torch." prefix)
+    quantization_config: dict | None  # present = quantized checkpoint
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        check_vocab_sizes(self.input_vocab_size, self.vocab_size)
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            _require_positive_int(name, getattr(self, name))
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(_unsupported_architecture_message(self.architecture))
+
+    # Frozen dataclasses hash their fields; two are dicts, so hash their canonical JSON instead.
+    # (Lets a ModelConfig be a static argument or a cache key.)
+    def __hash__(self) -> int:
+        values = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            values.append(json.dumps(value, sort_keys=True) if isinstance(value, dict) else value)
+        return hash(tuple(values))
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.quantization_config is not None
+
+    @property
+    def split_vocab(self) -> bool:
+        """True when the LM head is smaller than the embedding (spec: reduced head)."""
+        return self.vocab_size != self.input_vocab_size
+
+    @property
+    def attention_output_bias(self) -> bool:
+        """o_proj bias: Llama and Qwen3 put `attention_bias` on o_proj too; Qwen2 never does."""
+        return self.attention_bias and self.architecture != "Qwen2ForCausalLM"
+
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        """Build from a parsed HF `config.json` (or `PretrainedConfig.to_dict()`)."""
+        architecture = _architecture(d)
+        _refuse_unsupported_features(d, architecture)
+
+        hidden_size = _required(d, "hidden_size")
+        num_attention_heads = _required(d, "num_attention_heads")
+        head_dim = d.get("head_dim")
+        if head_dim is None:
+            _require_positive_int("hidden_size", hidden_size)
+            _require_positive_int("num_attention_heads", num_attention_heads)
+            if hidden_size % num_attention_heads:
+                raise ValueError(f"config.json has no head_dim and hidden_size={hidden_size} is not "
+                                 f"a multiple of num_attention_heads={num_attention_heads}")
+            head_dim = hidden_size // num_attention_heads
+
+        if architecture == "Qwen2ForCausalLM":
+            attention_bias = True  # Qwen2's q/k/v projections always carry a bias
+        else:
+            attention_bias = bool(d.get("attention_bias") or False)
+
+        input_vocab_size = _required(d, "vocab_size")
+        output_vocab_size = d.get("output_vocab_size")
+        vocab_size = input_vocab_size if output_vocab_size is None else output_vocab_size
+
+        rope_theta, rope_scaling = _rope(d)
+        quantization_config = d.get("quantization_config")
+        if quantization_config is not None and not isinstance(quantization_config, dict):
+            raise ValueError(f"quantization_config must be an object, got {quantization_config!r}")
+
+        num_key_value_heads = d.get("num_key_value_heads")
+        if num_key_value_heads is None:  # older Llama configs: plain multi-head attention
+            num_key_value_heads = num_attention_heads
+
+        return cls(
+            architecture=architecture,
+            hidden_size=hidden_size,
+            intermediate_size=_required(d, "intermediate_size"),
+            num_hidden_layers=_required(d, "num_hidden_layers"),
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=_required(d, "max_position_embeddings"),
+            vocab_size=vocab_size,
+            input_vocab_size=input_vocab_size,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            torch_dtype=normalize_dtype_name(d.get("torch_dtype") or d.get("dtype") or "float32"),
+            quantization_config=dict(quantization_config) if quantization_config else None,
+            bos_token_id=_optional_token_id("bos_token_id", d.get("bos_token_id")),
+            eos_token_ids=token_id_tuple("eos_token_id", d.get("eos_token_id")),
+        )
+
+
+def normalize_dtype_name(name: Any) -> str:
+    """"torch.bfloat16" / "bfloat16" -> "bfloat16"."""
+    text = str(name)
+    return text[len("torch."):] if text.startswith("torch.") else text
+
+
+def token_id_tuple(field: str, value: Any) -> tuple[int, ...]:
+    """An HF eos_token_id (int, list of ints or null) as a tuple of ints."""
+    if value is None:
+        return ()
+    values = value if isinstance(value, (list, tuple)) else [value]
+    for v in values:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{field} must be a token id or a list of token ids, got {value!r}")
+    return tuple(values)
+
+
+def _optional_token_id(field: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, list) and len(value) == 1:  # a few configs wrap bos in a list
+        value = value[0]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{field} must be a token id, got {value!r}")
+    return value
+
+
+def _unsupported_architecture_message(architecture: Any) -> str:
+    return (f"unsupported model architecture {architecture!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _architecture(d: Mapping[str, Any]) -> str:
+    architectures = d.get("architectures")
+    if architectures:
+        if not isinstance(architectures, (list, tuple)):
+            raise ValueError(f"config.json 'architectures' must be a list, got {architectures!r}")
+        for name in architectures:
+            if name in SUPPORTED_ARCHITECTURES:
+                return name
+        raise ValueError(_unsupported_architecture_message(architectures[0])
+                         + f" (config.json architectures={list(architectures)!r})")
+    model_type = d.get("model_type")
+    if model_type in _MODEL_TYPE_TO_ARCHITECTURE:
+        return _MODEL_TYPE_TO_ARCHITECTURE[model_type]
+    raise ValueError(f"config.json names no supported architecture (architectures={architectures!r}, "
+                     f"model_type={model_type!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _refuse_unsupported_features(d: Mapping[str, Any], architecture: str) -> None:
+    """Options these families allow but the dense model does not implement: refuse, don't ignore."""
+    hidden_act = d.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ValueError(f"hidden_act={hidden_act!r} is not supported (supported: 'silu')")
+    if d.get("mlp_bias"):
+        raise ValueError(f"mlp_bias={d.get('mlp_bias')!r} is not supported for {architecture}")
+    if d.get("use_sliding_window"):
+        raise ValueError("use_sliding_window=True is not supported (sliding-window attention is "
+                         f"not implemented; sliding_window={d.get('sliding_window')!r})")
+
+
+def _rope(d: Mapping[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either the transformers-4 or the transformers-5 layout."""
+    params = d.get("rope_parameters")  # transformers >= 5: theta and scaling together
+    if params is None:
+        params = d.get("rope_scaling")  # transformers 4: scaling only, theta at top level
+    if params is None:
+        params = {}
+    if not isinstance(params, Mapping):
+        raise ValueError(f"rope_parameters/rope_scaling must be an object, got {params!r}")
+    if params and all(isinstance(v, Mapping) for v in params.values()):
+        # transformers 5 writes per-layer-type parameters for models mixing attention kinds.
+        raise ValueError(f"per-layer-type rope parameters are not supported: {dict(params)!r}")
+
+    theta = params.get("rope_theta", d.get("rope_theta", _DEFAULT_ROPE_THETA))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise ValueError(f"rope_theta must be a positive number, got {theta!r}")
+
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type", "rope_type")}
+    rope_type = params.get("rope_type", params.get("type")) or "default"
+    if rope_type == "default" and not scaling:
+        return float(theta), None
+    return float(theta), {"rope_type": rope_type, **scaling}
+
+
+def _required(d: Mapping[str, Any], name: str) -> Any:
+    if d.get(name) is None:
+        raise ValueError(f"config.json is missing the required field {name!r}")
+    return d[name]
+
+
+def _require_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

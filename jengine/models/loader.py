@@ -1,0 +1,184 @@
+"""`load_model`: a Hugging Face model directory (or "tiny") -> config, weights, tokenizer.
+
+What is read, and nothing else (no Python file in the directory is ever imported or run; there is
+no trust_remote_code):
+
+- `config.json` -> `ModelConfig`;
+- `generation_config.json` (optional): its `eos_token_id` wins over config.json's, as in HF
+  `generate`;
+- weights: `model.safetensors.index.json` and the shards it names, else `model.safetensors`, else
+  every `*.safetensors` in the directory. Read with safetensors' numpy backend (no torch needed):
+  arrays keep the stored dtype, bf16 arriving as `ml_dtypes.bfloat16`;
+- `tokenizer.json` (required), `tokenizer_config.json`, `chat_template.jinja` -> `Tokenizer`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from jengine.models.config import ModelConfig, normalize_dtype_name, token_id_tuple
+from jengine.models.tokenizer import Tokenizer, read_json_if_present
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_INDEX = "model.safetensors.index.json"
+SINGLE_WEIGHTS = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, np.ndarray]   # HF tensor names -> arrays in the stored dtype
+    tokenizer: Tokenizer
+    eos_token_ids: tuple[int, ...]   # == config.eos_token_ids (generation_config.json wins)
+    chat_template: str | None
+    path: str                        # the resolved model directory
+
+
+def load_model(path_or_name: str | None = "tiny", *, progress: bool = True) -> LoadedModel:
+    """Load "tiny" (also None: the embedded model) or a local HF-format model directory."""
+    directory = _resolve_directory(path_or_name)
+    config_dict = _read_config(directory)
+    config = ModelConfig.from_hf_dict(config_dict)
+
+    generation_config = read_json_if_present(directory / "generation_config.json")
+    if generation_config.get("eos_token_id") is not None:
+        eos = token_id_tuple("generation_config.json eos_token_id", generation_config["eos_token_id"])
+        config = dataclasses.replace(config, eos_token_ids=eos)
+
+    tokenizer = Tokenizer.from_dir(directory)
+    weights = load_safetensors_dir(directory, progress=progress)
+
+    if not (config_dict.get("torch_dtype") or config_dict.get("dtype")):
+        # No dtype in config.json: HF would assume float32; the stored floats are the better guide.
+        config = dataclasses.replace(config, torch_dtype=_stored_float_dtype(weights, config.torch_dtype))
+    _check_vocab_shapes(config, weights, directory)
+    if tokenizer.vocab_size > config.input_vocab_size:
+        logger.warning("tokenizer knows %d ids but the embedding has input_vocab_size=%d rows; "
+                       "ids beyond it will be rejected as input", tokenizer.vocab_size,
+                       config.input_vocab_size)
+
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer,
+                       eos_token_ids=config.eos_token_ids, chat_template=tokenizer.chat_template,
+                       path=str(directory))
+
+
+def load_safetensors_dir(directory: str | Path, *, progress: bool = True) -> dict[str, np.ndarray]:
+    """Every tensor of a (possibly sharded) safetensors checkpoint, keyed by tensor name."""
+    import ml_dtypes  # noqa: F401  registers bfloat16/float8 with numpy, which safetensors needs
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    directory = Path(directory)
+    files = _weight_files(directory)
+
+    # Open every file first so the progress bar knows the total and a missing shard fails early.
+    names_by_file: dict[Path, list[str]] = {}
+    for path, expected in files.items():
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                names = list(f.keys())
+        except Exception as exc:
+            raise ValueError(f"cannot read safetensors file {str(path)!r}: {exc}") from exc
+        if expected is not None:
+            missing = sorted(set(expected) - set(names))
+            if missing:
+                raise ValueError(f"{str(directory / WEIGHTS_INDEX)!r} maps tensor {missing[0]!r} to "
+                                 f"{str(path)!r}, which does not contain it "
+                                 f"({len(missing)} such tensor(s))")
+        names_by_file[path] = names
+    duplicates = [n for n, c in Counter(n for ns in names_by_file.values() for n in ns).items() if c > 1]
+    if duplicates:
+        raise ValueError(f"tensor {duplicates[0]!r} appears in more than one safetensors file under "
+                         f"{str(directory)!r}")
+
+    weights: dict[str, np.ndarray] = {}
+    total = sum(len(ns) for ns in names_by_file.values())
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        for path, names in names_by_file.items():
+            with safe_open(str(path), framework="numpy") as f:
+                for name in names:
+                    weights[name] = f.get_tensor(name)
+                    bar.update(1)
+    return weights
+
+
+def _resolve_directory(path_or_name: str | None) -> Path:
+    from jengine.models.tiny import TINY_NAME, ensure_tiny_model
+
+    if path_or_name is None or path_or_name == TINY_NAME:
+        return ensure_tiny_model()
+    directory = Path(path_or_name).expanduser()
+    if not directory.exists():
+        raise FileNotFoundError(
+            f"model directory not found: {str(path_or_name)!r} (jengine loads a local Hugging Face "
+            f"model directory, or {TINY_NAME!r} for the embedded model; it does not download)")
+    if not directory.is_dir():
+        raise NotADirectoryError(f"model path is not a directory: {str(path_or_name)!r}")
+    return directory.resolve()
+
+
+def _read_config(directory: Path) -> dict:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"model config not found: {str(path)!r}")
+    return read_json_if_present(path)
+
+
+def _weight_files(directory: Path) -> dict[Path, list[str] | None]:
+    """Weight files to read -> the tensor names the index promises in each (None: no index)."""
+    index_path = directory / WEIGHTS_INDEX
+    if index_path.is_file():
+        index = read_json_if_present(index_path)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{str(index_path)!r} has no 'weight_map' object")
+        files: dict[Path, list[str]] = {}
+        for name, filename in weight_map.items():
+            files.setdefault(directory / filename, []).append(name)
+        for path, names in files.items():
+            if not path.is_file():
+                raise FileNotFoundError(f"weights file not found: {str(path)!r} (named for tensor "
+                                        f"{names[0]!r} in {str(index_path)!r})")
+        return dict(sorted(files.items()))
+
+    single = directory / SINGLE_WEIGHTS
+    if single.is_file():
+        return {single: None}
+    found = sorted(directory.glob("*.safetensors"))
+    if found:
+        return {path: None for path in found}
+    others = sorted(p.name for p in directory.iterdir()
+                    if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".gguf"))
+    hint = (f"; found {', '.join(others)}, but jengine reads only safetensors (never pickles)"
+            if others else "")
+    raise FileNotFoundError(f"no safetensors weights found in {str(directory)!r} (expected "
+                            f"{WEIGHTS_INDEX}, {SINGLE_WEIGHTS} or *.safetensors){hint}")
+
+
+def _stored_float_dtype(weights: dict[str, np.ndarray], default: str) -> str:
+    floats = Counter(normalize_dtype_name(w.dtype.name) for w in weights.values()
+                     if w.dtype.kind == "f" or w.dtype.name == "bfloat16")
+    return floats.most_common(1)[0][0] if floats else default
+
+
+def _check_vocab_shapes(config: ModelConfig, weights: dict[str, np.ndarray], directory: Path) -> None:
+    """Embedding rows must equal input_vocab_size and head rows vocab_size (the spec's split)."""
+    expected = {"model.embed_tokens.weight": (config.input_vocab_size, config.hidden_size, "input_vocab_size"),
+                "lm_head.weight": (config.vocab_size, config.hidden_size, "vocab_size")}
+    for name, (rows, cols, field) in expected.items():
+        w = weights.get(name)
+        if w is not None and not config.is_quantized and tuple(w.shape) != (rows, cols):
+            raise ValueError(f"{name} in {str(directory)!r} has shape {tuple(w.shape)}, but the config "
+                             f"gives {field}={rows} and hidden_size={cols}")
+    if "model.embed_tokens.weight" not in weights:
+        raise ValueError(f"no model.embed_tokens.weight in the weights of {str(directory)!r}")
+    if not config.tie_word_embeddings and "lm_head.weight" not in weights:
+        raise ValueError(f"tie_word_embeddings is false but there is no lm_head.weight in "
+                         f"{str(directory)!r}")

@@ -1,0 +1,189 @@
+"""The dense-model leaves: row invariance, chunk invariance, accuracy, and their torch twins.
+
+Row invariance compares a row computed inside a batch of 64 with the same row computed in a batch
+of M, bit for bit. The negative control runs the same checker on XLA's own dot, which is known to
+change a row's bits with M on the CPU (platform-facts.md), and must see a difference.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import activation, attention, gemm, rmsnorm
+from tests.bits import count_bit_differences
+
+ROWS = (1, 2, 3, 4, 7)
+RNG = np.random.default_rng(1234)
+
+
+def bf16(*shape, scale=1.0):
+    return jnp.asarray(RNG.standard_normal(shape) * scale, jnp.bfloat16)
+
+
+def row_invariance_failures(fn, full_inputs, row_axis_args, rows=ROWS):
+    """{M: differing elements} for rows [offset, offset+M) of a 64-row call vs an M-row call."""
+    full = np.asarray(jnp.asarray(fn(*full_inputs)).astype(jnp.float32))
+    failures = {}
+    for m in rows:
+        for offset in (0, 64 - m):
+            sliced = [a[offset:offset + m] if i in row_axis_args else a
+                      for i, a in enumerate(full_inputs)]
+            part = np.asarray(jnp.asarray(fn(*sliced)).astype(jnp.float32))
+            diff = count_bit_differences(full[offset:offset + m], part)
+            if diff:
+                failures[(m, offset)] = diff
+    return failures
+
+
+@pytest.fixture(scope="module")
+def gemm_inputs():
+    return bf16(64, 96), bf16(96, 160, scale=0.1), bf16(160, scale=0.1)
+
+
+def test_gemm_fixed_order_is_row_invariant(gemm_inputs):
+    x, w, b = gemm_inputs
+    fn = jax.jit(lambda x, w, b: gemm.gemm_fixed_order(x, w, b, out_dtype=jnp.float32))
+    assert row_invariance_failures(fn, (x, w, b), {0}) == {}
+
+
+def test_checker_catches_xla_native_dot(gemm_inputs):
+    """Negative control: XLA's own dot changes row bits with M on the CPU; the checker sees it."""
+    x, w, _ = gemm_inputs
+    fn = jax.jit(lambda x, w: gemm.gemm_xla_native(x, w, out_dtype=jnp.float32))
+    failures = row_invariance_failures(fn, (x, w), {0})
+    assert failures, "the row-invariance checker found nothing on a known batch-variant dot"
+
+
+def test_gemm_accuracy_against_float64(gemm_inputs):
+    x, w, b = gemm_inputs
+    out = np.asarray(gemm.gemm_fixed_order(x, w, b, out_dtype=jnp.float32))
+    ref = (np.asarray(x, np.float64) @ np.asarray(w, np.float64)) + np.asarray(b, np.float64)
+    # f32 accumulation of 96 exact bf16 products: error ~ K * 2^-24 * sum|x_k w_k|.
+    bound = 96 * 2.0 ** -24 * (np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64)))
+    assert np.all(np.abs(out - ref) <= bound + 1e-30)
+
+
+@pytest.mark.parametrize("eps", [1e-6])
+def test_rmsnorm_row_invariant_and_accurate(eps):
+    x, weight = bf16(64, 80, scale=3.0), bf16(80)
+    fn = jax.jit(lambda x, w: rmsnorm.rmsnorm(x, w, eps=eps))
+    assert row_invariance_failures(fn, (x, weight), {0}) == {}
+    out = np.asarray(fn(x, weight).astype(jnp.float32), np.float64)
+    xf = np.asarray(x, np.float64)
+    ref = np.asarray(weight, np.float64) * xf / np.sqrt((xf * xf).mean(-1, keepdims=True) + eps)
+    # Two bf16 roundings (normalised value, then the weight product): relative 2 * 2^-8.
+    assert np.all(np.abs(out - ref) <= 2 * 2.0 ** -8 * np.abs(ref) + 1e-6)
+
+
+def test_add_rmsnorm_row_invariant():
+    x, r, weight = bf16(64, 80), bf16(64, 80), bf16(80)
+    fn = jax.jit(lambda x, r, w: rmsnorm.add_rmsnorm(x, r, w, eps=1e-5)[0])
+    assert row_invariance_failures(fn, (x, r, weight), {0, 1}) == {}
+
+
+def test_silu_matches_torch_form_and_is_elementwise():
+    x = bf16(64, 50, scale=4.0)
+    fn = jax.jit(activation.silu)
+    assert row_invariance_failures(fn, (x,), {0}) == {}
+    ref = np.asarray(x, np.float64) / (1 + np.exp(-np.asarray(x, np.float64)))
+    out = np.asarray(fn(x).astype(jnp.float32), np.float64)
+    assert np.all(np.abs(out - ref) <= 2.0 ** -8 * np.abs(ref) + 1e-30)
+
+
+# -- attention ------------------------------------------------------------------------------------
+
+PAGE, HQ, HKV, D = 4, 4, 2, 16
+
+
+def _paged_sequence(seq_len, num_pages=48, garbage=np.nan):
+    """One request's K/V scattered over shuffled pages; every other slot holds garbage."""
+    q, k, v = bf16(seq_len, HQ, D), bf16(seq_len, HKV, D), bf16(seq_len, HKV, D)
+    k_cache = np.full((num_pages, PAGE, HKV, D), garbage, np.float32)
+    v_cache = np.full_like(k_cache, garbage)
+    pages = RNG.permutation(np.arange(1, num_pages))[: -(-seq_len // PAGE)]
+    for t in range(seq_len):
+        k_cache[pages[t // PAGE], t % PAGE] = np.asarray(k[t], np.float32)
+        v_cache[pages[t // PAGE], t % PAGE] = np.asarray(v[t], np.float32)
+    return q, k, v, jnp.asarray(k_cache, jnp.bfloat16), jnp.asarray(v_cache, jnp.bfloat16), pages
+
+
+_paged = jax.jit(attention.paged_fixed_order, static_argnames="scale")
+
+
+def _run_chunks(q, k_cache, v_cache, pages, seq_len, chunk, extra_pages=0):
+    outs = []
+    table = np.concatenate([pages, np.zeros(extra_pages, np.int64)]).astype(np.int32)
+    for start in range(0, seq_len, chunk):
+        stop = min(seq_len, start + chunk)
+        n = stop - start
+        outs.append(np.asarray(_paged(q[start:stop], k_cache, v_cache,
+                                      jnp.asarray(np.tile(table, (n, 1))),
+                                      jnp.arange(start, stop, dtype=jnp.int32),
+                                      scale=D ** -0.5).astype(jnp.float32)))
+    return np.concatenate(outs)
+
+
+def test_attention_chunk_invariance_prefill_equals_decode():
+    """Chunks of 1 (= decode), 3, 16 and all rows give the same bits; NaN garbage never leaks."""
+    seq_len = 37
+    q, _, _, k_cache, v_cache, pages = _paged_sequence(seq_len)
+    whole = _run_chunks(q, k_cache, v_cache, pages, seq_len, seq_len)
+    assert np.isfinite(whole).all()
+    for chunk in (1, 3, 16):
+        assert count_bit_differences(whole, _run_chunks(q, k_cache, v_cache, pages, seq_len, chunk)) == 0
+    # More pages gathered (a larger page bucket) changes nothing either.
+    assert count_bit_differences(whole, _run_chunks(q, k_cache, v_cache, pages, seq_len, 5,
+                                                    extra_pages=7)) == 0
+
+
+def test_attention_paged_equals_dense_twin_and_float64():
+    seq_len = 29
+    q, k, v, k_cache, v_cache, pages = _paged_sequence(seq_len)
+    paged = _run_chunks(q, k_cache, v_cache, pages, seq_len, 8)
+    dense = jax.jit(attention.dense_causal_fixed_order, static_argnames="scale")
+    out = np.asarray(dense(q[None], k[None], v[None], scale=D ** -0.5)[0].astype(jnp.float32))
+    assert count_bit_differences(paged, out) == 0
+    qf, kf, vf = (np.asarray(a, np.float64) for a in (q, k, v))
+    ref = np.zeros((seq_len, HQ, D))
+    for t in range(seq_len):
+        for h in range(HQ):
+            s = kf[: t + 1, h // (HQ // HKV)] @ qf[t, h] * D ** -0.5
+            p = np.exp(s - s.max())
+            ref[t, h] = (p / p.sum()) @ vf[: t + 1, h // (HQ // HKV)]
+    # Output rounded once to bf16 (relative 2^-8) plus f32 accumulation error.
+    assert np.all(np.abs(out - ref) <= 2.0 ** -8 * np.abs(ref) + 1e-4)
+
+
+def test_native_attention_is_only_close():
+    """The auto-mode attention agrees to bf16 tolerance (no bitwise claim is made for it)."""
+    seq_len = 21
+    q, k, v, k_cache, v_cache, pages = _paged_sequence(seq_len, garbage=0.0)
+    table = jnp.asarray(np.tile(pages.astype(np.int32), (seq_len, 1)))
+    fixed = _paged(q, k_cache, v_cache, table, jnp.arange(seq_len, dtype=jnp.int32), scale=0.25)
+    native = attention.paged_xla_native(q, k_cache, v_cache, table,
+                                        jnp.arange(seq_len, dtype=jnp.int32), scale=0.25)
+    np.testing.assert_allclose(np.asarray(native, np.float32), np.asarray(fixed, np.float32),
+                               rtol=2 ** -7, atol=2 ** -7)
+
+
+# -- torch twins ----------------------------------------------------------------------------------
+
+def test_torch_twins_reproduce_the_leaves_bitwise():
+    torch = pytest.importorskip("torch")
+    from pallas_kernels._twin import to_torch
+
+    x, w = bf16(9, 32), bf16(32, 24)
+    want = gemm.gemm_fixed_order(x, w, out_dtype=jnp.bfloat16)
+    got = gemm.gemm_fixed_order_torch(to_torch(x), to_torch(w), out_dtype=jnp.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert count_bit_differences(np.asarray(want), got.float().numpy()) == 0
+
+    weight = bf16(32)
+    want = rmsnorm.rmsnorm(x, weight, eps=1e-6)
+    got = rmsnorm.rmsnorm_torch(to_torch(x), to_torch(weight), eps=1e-6)
+    assert count_bit_differences(np.asarray(want), got.float().numpy()) == 0
+
+    want = activation.silu(x)
+    got = activation.silu_torch(to_torch(x))
+    assert count_bit_differences(np.asarray(want), got.float().numpy()) == 0
