@@ -111,9 +111,17 @@ def compare(mode: str, temperature: float, index: int, want: Record, got: Record
         b = got.output_ids[pos] if pos < len(got.output_ids) else "<end>"
         diverge("output token", pos, a, b)
         return
+    # A request scored from logprob_start_len = s > 0 reports position s as context (None), like
+    # the baseline's position 0; its scored values start at s + 1.
+    got_inputs = got.input_logprobs
+    if input_offset:
+        if got_inputs[:1] != [None]:
+            diverge("prompt logprob", input_offset, None, got_inputs[:1])
+            return
+        input_offset, got_inputs = input_offset + 1, got_inputs[1:]
     for name, xs, ys, offset in (("output logprob", want.output_logprobs, got.output_logprobs, 0),
                                  ("prompt logprob", want.input_logprobs[input_offset:],
-                                  got.input_logprobs, input_offset)):
+                                  got_inputs, input_offset)):
         if len(xs) != len(ys):
             diverge(f"{name} count", 0, len(xs), len(ys))
             return
@@ -200,7 +208,9 @@ class InvarianceHarness:
             cut = max(1, len(ids) - 2)
             if cut % self.cfg.page_size == 0:
                 cut -= 1
-            if cut >= 1 and len(ids) > 1:
+            if not 1 <= cut < len(ids):
+                cut = 0  # too short to split: scored cold
+            if cut:
                 eng.generate(input_ids=ids[:cut], sampling_params={"max_new_tokens": 0})
             records.append(_record(eng.generate(**self._request(ids, temperature, i,
                                                                 logprob_start_len=cut))))

@@ -28,7 +28,9 @@ PROFILES: dict[str, ModelProfile] = {
                      "dense; no qkv bias, no qk-norm; tied or untied head"),
         ModelProfile("Qwen2ForCausalLM", frozenset(),
                      "dense; qkv bias (attention_bias=True)"),
-        ModelProfile("Qwen3ForCausalLM", frozenset(),
+        # rl-bitwise: tests/test_invariance.py (every mode, bitwise, on the tiny Qwen3 model) and
+        # tests/test_interop_align.py (teacher-forced trainer dump, bitwise).
+        ModelProfile("Qwen3ForCausalLM", frozenset({"rl-bitwise"}),
                      "dense; per-head RMSNorm on q and k (qk_norm=True)"),
     )
 }

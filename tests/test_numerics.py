@@ -350,13 +350,14 @@ def test_check_model_reads_the_real_model_config(llama_verified):
     check_model(resolve(numerics="rl-bitwise"), ModelConfig.from_hf_dict({**hf, "vocab_size": 65536}))
 
 
-def test_in_tree_profiles_start_without_rl_bitwise():
-    # Flip (and update this test) in the change that adds the passing harness for a model.
+def test_in_tree_profiles_declare_rl_bitwise_only_where_harnessed():
+    # A profile lists rl-bitwise in the change that adds its passing harnesses (invariance + align).
     assert set(PROFILES) == {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
-    assert all("rl-bitwise" not in p.numerics_envelopes for p in PROFILES.values())
-    with override_profile("Qwen3ForCausalLM", numerics_envelopes={"rl-bitwise"}) as p:
-        assert get_profile("Qwen3ForCausalLM") is p and "rl-bitwise" in p.numerics_envelopes
-    assert "rl-bitwise" not in get_profile("Qwen3ForCausalLM").numerics_envelopes
+    declared = {a for a, p in PROFILES.items() if "rl-bitwise" in p.numerics_envelopes}
+    assert declared == {"Qwen3ForCausalLM"}
+    with override_profile("LlamaForCausalLM", numerics_envelopes={"rl-bitwise"}) as p:
+        assert get_profile("LlamaForCausalLM") is p and "rl-bitwise" in p.numerics_envelopes
+    assert "rl-bitwise" not in get_profile("LlamaForCausalLM").numerics_envelopes
     with pytest.raises(ValueError, match="architecture='GPT2LMHeadModel' is not supported"):
         get_profile("GPT2LMHeadModel")
 

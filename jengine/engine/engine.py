@@ -1,0 +1,391 @@
+"""`Engine`: the Python API (SGLang-shaped) around one scheduler, one model runner and one sampler.
+
+Requests are validated synchronously in the caller's thread (bad input raises ValueError naming the
+field and value, and nothing is queued); the engine loop runs in a background thread. Each step:
+
+    scheduler.schedule() -> StepBatch -> runner.forward -> hidden rows
+      sampling rows:   runner.compute_logits -> sampler.sample / token_logprobs / top_logprobs
+      prompt rows:     runner.compute_logits in chunks of --input-logprob-chunk-tokens rows
+                       -> sampler.token_logprobs (the ONE logprob function, spec "Logprobs")
+    -> commit each segment, append tokens, stop checks, outputs and callbacks
+
+An exception inside a step fails the requests of that step (finish_reason abort, with the message)
+and the loop keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from jengine.config import LaunchConfig, launch_config_from_kwargs
+from jengine.engine.io_struct import (RequestHandle, build_output, expand_request,
+                                      normalize_generate_args)
+from jengine.engine.kv_manager import KVManager
+from jengine.engine.logits_processor import SegmentResult, compute_step_outputs
+from jengine.engine.request import Req
+from jengine.engine.scheduler import Scheduler, SchedulerConfig, Segment
+
+logger = logging.getLogger("jengine.engine")
+
+
+@dataclass(eq=False)
+class _Tracked:
+    req: Req
+    handle: RequestHandle
+    on_output: Callable[[dict], None] | None
+
+
+class Engine:
+    def __init__(self, model_path: str = "tiny", numerics: str = "auto", **launch_options: Any) -> None:
+        self._start(launch_config_from_kwargs(model_path, numerics=numerics, **launch_options))
+
+    @classmethod
+    def from_config(cls, cfg: LaunchConfig) -> "Engine":
+        eng = cls.__new__(cls)
+        eng._start(cfg)
+        return eng
+
+    def _start(self, cfg: LaunchConfig) -> None:
+        from jengine.numerics import resolve_launch
+
+        resolved = resolve_launch(cfg)
+        resolved.apply_environment()  # before anything touches a JAX device
+        logger.info("%s", resolved.describe())
+        logger.debug("resolved launch: %s", json.dumps(resolved.as_dict(), default=str, sort_keys=True))
+
+        from jengine.engine.model_runner import ModelRunner
+        from jengine.engine.sampler import Sampler
+        from jengine.models import IncrementalDetokenizer, load_model
+        from jengine.numerics import check_model
+
+        loaded = load_model(resolved.config.model_path)
+        check_model(resolved, loaded.config)  # refuse a model the envelope cannot serve, early
+        runner = ModelRunner(loaded, resolved)
+        sampler = Sampler(resolved, loaded.config.vocab_size)
+        if not resolved.config.skip_warmup:
+            t0 = time.perf_counter()
+            runner.warmup()
+            logger.info("warmup took %.1f s", time.perf_counter() - t0)
+        tokenizer = loaded.tokenizer
+        self._setup(config=resolved.config, resolved=resolved, model_config=loaded.config,
+                    tokenizer=tokenizer, eos_token_ids=loaded.eos_token_ids, runner=runner,
+                    sampler=sampler,
+                    detokenizer_factory=lambda prompt_ids: IncrementalDetokenizer(tokenizer, prompt_ids),
+                    model_info={"model_dir": str(loaded.path)})
+
+    @classmethod
+    def from_components(cls, **parts: Any) -> "Engine":
+        """An engine over ready-made parts (tests use a fake runner and sampler). See `_setup`."""
+        eng = cls.__new__(cls)
+        eng._setup(**parts)
+        return eng
+
+    def _setup(self, *, config: LaunchConfig, model_config: Any, tokenizer: Any, eos_token_ids: Any,
+               runner: Any, sampler: Any, detokenizer_factory: Callable[[list[int]], Any],
+               resolved: Any = None, model_info: dict | None = None) -> None:
+        self.config = config
+        self.resolved = resolved
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.runner = runner
+        self.sampler = sampler
+        self._eos_ids = frozenset(int(t) for t in (eos_token_ids or ()))
+        self._detokenizer_factory = detokenizer_factory
+        self._model_info = dict(model_info or {})
+        self.max_context = int(runner.max_context)
+        self.kv = KVManager(runner.num_pages, runner.page_size)
+        self.scheduler = Scheduler(SchedulerConfig(
+            page_size=runner.page_size,
+            max_context=self.max_context,
+            chunked_prefill_size=config.chunked_prefill_size,
+            max_prefill_tokens=config.max_prefill_tokens,
+            max_running_requests=config.max_running_requests,
+            enable_prefix_cache=not config.disable_radix_cache,
+            debug_force_retraction_interval=config.debug_force_retraction_interval,
+        ), self.kv, runner)
+        logger.info("KV pool: %d pages x %d tokens = %d tokens; context %d", self.kv.capacity_pages,
+                    self.kv.page_size, self.kv.capacity_pages * self.kv.page_size, self.max_context)
+
+        self._tracked: dict[str, _Tracked] = {}  # in flight, by rid; guarded by _cv
+        self._inbox: list[tuple[str, Any]] = []
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._counters = collections.Counter()
+        self._step_latency: collections.deque[float] = collections.deque(maxlen=256)
+        self._thread = threading.Thread(target=self._loop, name="jengine-engine", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------------------------------------
+    # Public API
+    # ---------------------------------------------------------------------------------------------
+    def generate(self, prompt: Any = None, input_ids: Any = None, sampling_params: Any = None,
+                 return_logprob: Any = False, logprob_start_len: Any = -1, top_logprobs_num: Any = 0,
+                 rid: Any = None) -> dict | list[dict]:
+        """Blocking. A list in returns a list out, in order (n > 1: n entries per prompt)."""
+        items, batched = normalize_generate_args(self.tokenizer, prompt, input_ids, sampling_params,
+                                                 return_logprob, logprob_start_len, top_logprobs_num, rid)
+        # Validate the whole batch before queueing any of it.
+        groups = [self._validate(**item) for item in items]
+        handles = self._enqueue(groups, stream=False, on_output=None)
+        results: list[dict] = []
+        for h in handles:
+            out = h.result()
+            results.extend(out if isinstance(out, list) else [out])
+        return results if batched or len(results) != 1 else results[0]
+
+    def submit(self, *, input_ids: Any, sampling_params: Any = None, return_logprob: bool = False,
+               logprob_start_len: int = -1, top_logprobs_num: int = 0, rid: str | None = None,
+               stream: bool = False, on_output: Callable[[dict], None] | None = None) -> RequestHandle:
+        """Non-blocking. on_output(out) runs in the engine thread: for every new token when stream
+        is True (cumulative output dicts), and always once with the final output (finished=True)."""
+        reqs = self._validate(input_ids=input_ids, sampling_params=sampling_params,
+                              return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                              top_logprobs_num=top_logprobs_num, rid=rid)
+        return self._enqueue([reqs], stream=stream, on_output=on_output)[0]
+
+    def abort(self, rid: str) -> bool:
+        """Abort a request in flight (for n > 1, the base rid aborts every sample). Its pages are
+        freed; its waiter gets a final output with finish_reason abort. False if none is in flight."""
+        with self._cv:
+            rids = [r for r, t in self._tracked.items() if r == rid or t.handle.rid == rid]
+        return any([bool(self._call("abort", r)) for r in rids])
+
+    def flush_cache(self) -> bool:
+        return bool(self._call("flush", None))
+
+    def stats(self) -> dict[str, Any]:
+        with self._cv:
+            c = dict(self._counters)
+            latency = list(self._step_latency)
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_used_tokens": self.kv.num_used * self.kv.page_size,
+            "kv_total_tokens": self.kv.capacity_pages * self.kv.page_size,
+            "cache_hit_tokens_total": self.scheduler.cache_hit_tokens_total,
+            "retractions_total": self.scheduler.retractions_total,
+            "prompt_tokens_total": c.get("prompt_tokens", 0),
+            "generation_tokens_total": c.get("generation_tokens", 0),
+            "requests_total": c.get("requests", 0),
+            "step_latency_seconds": latency,
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        info = dict(self.resolved.as_dict()) if self.resolved is not None else self.config.to_dict()
+        mc = self.model_config
+        info.update(self._model_info)
+        info.update({
+            "architecture": getattr(mc, "architecture", None),
+            "vocab_size": mc.vocab_size,
+            "input_vocab_size": getattr(mc, "input_vocab_size", mc.vocab_size),
+            "max_context": self.max_context,
+            "page_size": self.kv.page_size,
+            "kv_total_tokens": self.kv.capacity_pages * self.kv.page_size,
+            "eos_token_ids": sorted(self._eos_ids),
+        })
+        return info
+
+    def shutdown(self) -> None:
+        with self._cv:
+            if self._stopping:
+                return
+            self._stopping = True
+            self._cv.notify_all()
+        self._thread.join()
+        # Nothing in flight is silently lost: every waiter gets a final (aborted) output.
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._fail(req, "engine shut down")
+        with self._cv:
+            pending = [cmd for cmd in self._inbox if cmd[0] == "add"]
+            self._inbox = []
+        for _, req in pending:
+            req.finish("abort", message="engine shut down")
+            self._emit(req)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ---------------------------------------------------------------------------------------------
+    # Admission (caller's thread)
+    # ---------------------------------------------------------------------------------------------
+    def _validate(self, *, rid: Any = None, **item: Any) -> list[Req]:
+        return expand_request(
+            **item, rid=uuid.uuid4().hex if rid is None else rid, max_context=self.max_context,
+            input_vocab_size=int(getattr(self.model_config, "input_vocab_size", self.model_config.vocab_size)),
+            vocab_size=int(self.model_config.vocab_size),
+            pool_tokens=self.kv.capacity_pages * self.kv.page_size, page_size=self.kv.page_size)
+
+    def _enqueue(self, groups: list[list[Req]], *, stream: bool,
+                 on_output: Callable | None) -> list[RequestHandle]:
+        """Queue every group (one per prompt; n > 1 makes a group of n) or, on a rid clash, none."""
+        rids = [r.rid for reqs in groups for r in reqs]
+        handles = []
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("the engine is shut down")
+            clash = [r for i, r in enumerate(rids) if r in self._tracked or r in rids[:i]]
+            if clash:
+                raise ValueError(f"rid={clash[0]!r} is already in flight")
+            for reqs in groups:
+                base_rid = reqs[0].rid if len(reqs) == 1 else reqs[0].rid.rsplit("-", 1)[0]
+                handle = RequestHandle(base_rid, [r.rid for r in reqs], single=reqs[0].sampling.n == 1)
+                handles.append(handle)
+                for req in reqs:
+                    req.stream = stream
+                    req.detokenizer = self._detokenizer_factory(req.prompt_ids)
+                    self._tracked[req.rid] = _Tracked(req, handle, on_output)
+                    self._inbox.append(("add", req))
+            self._cv.notify_all()
+        return handles
+
+    def _call(self, op: str, arg: Any) -> Any:
+        """Run a command inside the engine thread (the scheduler is single-threaded) and wait."""
+        box: dict[str, Any] = {"done": threading.Event()}
+        if threading.current_thread() is self._thread:  # e.g. abort() from an on_output callback
+            self._handle(op, (arg, box))
+            return box.get("result")
+        with self._cv:
+            if self._stopping:
+                return False
+            self._inbox.append((op, (arg, box)))
+            self._cv.notify_all()
+        box["done"].wait()
+        return box.get("result")
+
+    # ---------------------------------------------------------------------------------------------
+    # The loop (engine thread)
+    # ---------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._inbox or self._stopping or self.scheduler.has_work()):
+                    self._cv.wait()
+                if self._stopping:
+                    for op, payload in self._inbox:  # release anyone blocked in _call
+                        if op != "add":
+                            payload[1]["done"].set()
+                    return
+                inbox, self._inbox = self._inbox, []
+            for op, payload in inbox:
+                try:
+                    self._handle(op, payload)
+                except Exception:  # keep serving; the command's caller has been released
+                    logger.exception("engine command %r failed", op)
+            if self.scheduler.has_work():
+                self._step()
+
+    def _handle(self, op: str, payload: Any) -> None:
+        if op == "add":
+            self.scheduler.add_request(payload)
+            return
+        arg, box = payload
+        try:
+            if op == "abort":
+                req = self.scheduler.find(arg)
+                box["result"] = req is not None
+                if req is not None:
+                    self.scheduler.finish(req)
+                    req.finish("abort", message="aborted by the client")
+                    self._emit(req)
+            elif op == "flush":
+                self.scheduler.flush_cache()
+                box["result"] = True
+        finally:
+            box["done"].set()
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            step = self.scheduler.schedule()
+        except Exception as exc:  # a scheduler bug: fail what it was holding, keep serving
+            logger.exception("scheduling failed")
+            for req in list(self.scheduler.running):
+                self._fail(req, f"scheduling failed: {exc!r}")
+            return
+        finally:
+            for req in self.scheduler.finished_by_scheduler:
+                self._emit(req)
+            self.scheduler.finished_by_scheduler.clear()
+        if step is None:
+            return
+        try:
+            results = compute_step_outputs(self.runner, self.sampler, step,
+                                           self.config.input_logprob_chunk_tokens)
+        except Exception as exc:
+            logger.exception("step failed; aborting its %d request(s)", len(step.segments))
+            for seg in step.segments:
+                self._fail(seg.req, f"step failed: {exc!r}")
+            return
+        for seg in step.segments:
+            if seg.req.finished:
+                continue  # aborted while this step ran (an on_output callback called abort)
+            try:
+                self._process(seg, results[id(seg)])
+            except Exception as exc:
+                logger.exception("post-processing request %s failed", seg.req.rid)
+                self._fail(seg.req, f"post-processing failed: {exc!r}")
+        with self._cv:
+            self._step_latency.append(time.perf_counter() - t0)
+
+    def _process(self, seg: Segment, res: SegmentResult) -> None:
+        req = seg.req
+        self.scheduler.commit(seg)
+        req.input_token_logprobs.extend(res.prompt_logprobs)
+        n_top = req.top_logprobs_num
+        req.input_top_logprobs.extend((v[:n_top], t[:n_top]) for v, t in res.prompt_tops)
+        if seg.sample:
+            with self._cv:
+                self._counters["generation_tokens"] += 1
+            top = res.token_top
+            req.append_token(res.token, res.token_logprob,
+                             None if top is None else (top[0][:n_top], top[1][:n_top]),
+                             eos_token_ids=self._eos_ids, max_context=self.max_context)
+        elif req.num_computed == req.num_tokens and req.sampling.max_new_tokens == 0:
+            req.finish("length")  # teacher forcing / prompt scoring: nothing to generate
+        if req.finished:
+            self.scheduler.finish(req)
+            self._emit(req)
+        elif req.stream and seg.sample:
+            self._emit(req)
+
+    # ---------------------------------------------------------------------------------------------
+    # Outputs
+    # ---------------------------------------------------------------------------------------------
+    def _fail(self, req: Req, message: str) -> None:
+        if req.finished:
+            return
+        try:
+            self.scheduler.finish(req, cache_kv=False)
+        except Exception:  # never let cleanup take the loop down
+            logger.exception("releasing request %s failed", req.rid)
+        req.finish("abort", message=message)
+        self._emit(req)
+
+    def _emit(self, req: Req) -> None:
+        out = build_output(req)
+        finished = out["finished"]  # a callback may finish req (abort) while we are in here
+        with self._cv:
+            tracked = self._tracked.get(req.rid)
+            if finished:
+                self._tracked.pop(req.rid, None)
+                self._counters["requests"] += 1
+                self._counters["prompt_tokens"] += req.prompt_len
+        if tracked is None:
+            return
+        if tracked.on_output is not None:
+            try:
+                tracked.on_output(out)
+            except Exception:
+                logger.exception("on_output callback of request %s raised", req.rid)
+        if finished:
+            tracked.handle._set(req.rid, out)

@@ -1,0 +1,76 @@
+"""From a step's hidden rows to tokens and logprobs (SGLang's LogitsProcessor + sampler call).
+
+Sampling rows: one `runner.compute_logits` over all of them, then `sampler.sample` keyed by each
+request's (seed, absolute position of the new token), and the sampled token's logprob through
+`sampler.token_logprobs`. Prompt rows: logits in chunks of --input-logprob-chunk-tokens rows (so the
+[rows, vocab] tensor stays bounded) through the SAME `sampler.token_logprobs` (spec, "Logprobs: one
+arithmetic for prompt and output"). Both consumers take logits from the same LM-head route.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from jengine.engine.batch import SamplingRows
+from jengine.engine.scheduler import ScheduledStep
+
+
+@dataclass
+class SegmentResult:
+    prompt_logprobs: list[float] = field(default_factory=list)  # one per scored prompt row
+    prompt_tops: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    token: int | None = None  # the sampled token, when the segment samples
+    token_logprob: float | None = None
+    token_top: tuple[np.ndarray, np.ndarray] | None = None
+
+
+def compute_step_outputs(runner: Any, sampler: Any, step: ScheduledStep,
+                         input_logprob_chunk_tokens: int) -> dict[int, SegmentResult]:
+    results = {id(seg): SegmentResult() for seg in step.segments}
+    hidden = runner.forward(step.batch)
+
+    sampled = [seg for seg in step.segments if seg.sample]
+    if sampled:
+        logits = runner.compute_logits(hidden[np.array([s.sample_hidden for s in sampled])])
+        params = [s.req.sampling for s in sampled]
+        rows = SamplingRows(
+            temperature=np.array([p.temperature for p in params], np.float32),
+            top_k=np.array([p.top_k for p in params], np.int32),
+            top_p=np.array([p.top_p for p in params], np.float32),
+            min_p=np.array([p.min_p for p in params], np.float32),
+            seed=np.array([s.req.seed for s in sampled], np.uint32),
+            # The key of a draw is the absolute position the sampled token will occupy.
+            position=np.array([s.start + s.length for s in sampled], np.int32),
+        )
+        tokens = np.asarray(sampler.sample(logits, rows), np.int32)
+        want = [s.req.return_logprob for s in sampled]
+        lps = np.asarray(sampler.token_logprobs(logits, tokens)) if any(want) else None
+        k = max((s.req.top_logprobs_num for s in sampled if s.req.return_logprob), default=0)
+        tops = [np.asarray(a) for a in sampler.top_logprobs(logits, k)] if k else None
+        for i, seg in enumerate(sampled):
+            res = results[id(seg)]
+            res.token = int(tokens[i])
+            if lps is not None:
+                res.token_logprob = lps[i]
+            if tops is not None:
+                res.token_top = (tops[0][i], tops[1][i])
+
+    # Prompt rows, in bounded chunks; each row's target is the next prompt token.
+    scored = [(seg, h, seg.req.prompt_ids[p + 1])
+              for seg in step.segments for p, h in zip(seg.scored, seg.scored_hidden)]
+    chunk = input_logprob_chunk_tokens
+    for i in range(0, len(scored), chunk):
+        part = scored[i: i + chunk]
+        logits = runner.compute_logits(hidden[np.array([h for _, h, _ in part])])
+        lps = np.asarray(sampler.token_logprobs(logits, np.array([t for _, _, t in part], np.int32)))
+        k = max(seg.req.top_logprobs_num for seg, _, _ in part)
+        tops = [np.asarray(a) for a in sampler.top_logprobs(logits, k)] if k else None
+        for j, (seg, _, _) in enumerate(part):
+            res = results[id(seg)]
+            res.prompt_logprobs.append(lps[j])
+            if seg.req.top_logprobs_num:
+                res.prompt_tops.append((tops[0][j], tops[1][j]))
+    return results

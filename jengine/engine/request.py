@@ -1,0 +1,251 @@
+"""Requests as the engine sees them: validated sampling parameters and the per-request state `Req`.
+
+Everything a request needs to be suspended and resumed lives here on the host: its token list, its
+KV frontier (`num_computed`), its seed, and its logprob bookkeeping. The only device-resident state
+of a request is its KV pages, which is why a retraction image is just those pages' bytes plus this
+object (docs/engine.md, "Retraction image").
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import zlib
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+_UINT32_MAX = 2**32 - 1
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_number(value: Any) -> bool:
+    return (is_int(value) or isinstance(value, (float, np.floating))) and math.isfinite(float(value))
+
+
+def _bad(name: str, value: Any, why: str) -> ValueError:
+    return ValueError(f"sampling_params.{name}={value!r}: {why}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """SGLang's sampling_params dict, validated once. Unknown keys are refused, never ignored."""
+
+    max_new_tokens: int | None = 128  # None: up to the context length
+    temperature: float = 1.0  # 0 = greedy (canonical lowest-index argmax)
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    min_p: float = 0.0
+    seed: int | None = None  # None: crc32(rid)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    no_stop_trim: bool = False  # keep a matched stop string in the returned text
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        # Normalise the list-ish fields first (frozen: go through object.__setattr__).
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise _bad("stop", self.stop, "must be a non-empty string or a list of non-empty strings")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = () if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in ids):
+            raise _bad("stop_token_ids", self.stop_token_ids, "must be a list of non-negative ints")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+
+        if self.max_new_tokens is not None and (not is_int(self.max_new_tokens) or self.max_new_tokens < 0):
+            raise _bad("max_new_tokens", self.max_new_tokens, "must be an int >= 0 or null")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise _bad("temperature", self.temperature, "must be a finite number >= 0")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise _bad("top_p", self.top_p, "must be in (0, 1]")
+        if not is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+            raise _bad("top_k", self.top_k, "must be -1 (off) or an int >= 1")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise _bad("min_p", self.min_p, "must be in [0, 1]")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= _UINT32_MAX):
+            raise _bad("seed", self.seed, f"must be an int in [0, {_UINT32_MAX}] or null")
+        for name in ("ignore_eos", "no_stop_trim"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise _bad(name, getattr(self, name), "must be a bool")
+        if not is_int(self.n) or self.n < 1:
+            raise _bad("n", self.n, "must be an int >= 1")
+
+    @classmethod
+    def from_dict(cls, params: "SamplingParams | dict[str, Any] | None") -> "SamplingParams":
+        if params is None:
+            return cls()
+        if isinstance(params, SamplingParams):
+            return params
+        if not isinstance(params, dict):
+            raise ValueError(f"sampling_params={params!r}: must be a dict")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"sampling_params has unknown key(s) {unknown}; known keys: {sorted(known)}")
+        return cls(**params)
+
+    def with_seed(self, seed: int, n: int = 1) -> "SamplingParams":
+        return SamplingParams(**{**self.to_dict(), "seed": seed, "n": n})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def default_seed(rid: str) -> int:
+    """A request without an explicit seed draws from crc32(rid): stable across runs and batches."""
+    return zlib.crc32(rid.encode("utf-8")) & _UINT32_MAX
+
+
+def derive_sample_seeds(base_seed: int, n: int) -> list[int]:
+    """Seeds of the n samples of one prompt: distinct by construction, fixed by the base seed."""
+    seeds = [zlib.crc32(f"{base_seed}/{i}".encode()) & _UINT32_MAX for i in range(n)]
+    # crc32 of distinct short strings can collide in principle; perturb deterministically if so.
+    seen: set[int] = set()
+    for i, s in enumerate(seeds):
+        while s in seen:
+            s = (s + 0x9E3779B9) & _UINT32_MAX
+        seeds[i] = s
+        seen.add(s)
+    return seeds
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"  # never admitted
+    RUNNING = "running"  # holds pages, scheduled every step it fits the budget
+    RETRACTED = "retracted"  # pages freed; its image waits at the front of the queue
+    FINISHED = "finished"
+
+
+@dataclass
+class RetractionImage:
+    """A suspended request's device state, copied out byte for byte (spec: "Retraction is a byte copy").
+
+    `kv` holds the bytes of the pages covering the first `num_computed` tokens, the partial last page
+    included. The slot state (next input token = fill_ids[num_computed], its position = num_computed,
+    the sampler's (seed, position) key) is derived from the host-side `Req`, which is kept as is.
+    """
+
+    kv: Any  # np.ndarray from runner.read_pages
+    num_pages: int
+    num_computed: int
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    seed: int
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # resolved: L-1 when the caller passed -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    pages: list[int] = field(default_factory=list)  # page table, position order; page 0 never
+    num_computed: int = 0  # KV frontier: tokens whose K/V are written in `pages`
+    cached_tokens: int = 0  # prefix-cache hit length at admission
+    admit_seq: int = -1  # admission order (retraction victims: latest admitted first)
+    image: RetractionImage | None = None
+    retractions: int = 0
+
+    # Output bookkeeping.
+    text: str = ""
+    finish_reason: dict[str, Any] | None = None
+    input_token_logprobs: list[float] = field(default_factory=list)  # targets s+1..L-1, in order
+    input_top_logprobs: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    output_token_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    detokenizer: Any = None  # IncrementalDetokenizer over the output ids
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token the request has: prompt, then outputs. KV exists for fill_ids[:num_computed]."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to be fed to the model: the prompt remainder, or the last sampled token."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed < self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+    def scored_rows(self, start: int, end: int) -> range:
+        """Prompt positions p in [start, end) whose hidden row scores target prompt_ids[p + 1].
+
+        Rows logprob_start_len .. L-2 are scored; row L-1 predicts the first output token instead.
+        """
+        if not self.return_logprob:
+            return range(0)
+        return range(max(start, self.logprob_start_len), min(end, self.prompt_len - 1))
+
+    def append_token(self, token: int, logprob: float | None, top: tuple | None, *,
+                     eos_token_ids: frozenset[int], max_context: int) -> None:
+        """Record a sampled token, then apply the stop conditions in SGLang's order: eos (unless
+        ignore_eos), stop_token_ids, stop strings on the incremental text, max_new_tokens, context."""
+        self.output_ids.append(token)
+        if self.return_logprob:
+            self.output_token_logprobs.append(logprob)
+            if top is not None:
+                self.output_top_logprobs.append(top)
+        sp = self.sampling
+        if (not sp.ignore_eos and token in eos_token_ids) or token in sp.stop_token_ids:
+            self.finish("stop", matched=token)  # the stop token's text is not part of `text`
+        else:
+            delta = self.detokenizer.add(token)
+            self.text += delta
+            if sp.stop:
+                self.check_stop_strings(len(delta))
+        if not self.finished and (len(self.output_ids) >= sp.max_new_tokens or self.num_tokens >= max_context):
+            self.finish("length")
+        if self.finished and not isinstance(self.finish_reason.get("matched"), str):
+            self.text += self.detokenizer.flush()  # text held back for an incomplete character
+
+    def check_stop_strings(self, delta_len: int) -> None:
+        """After `delta_len` new characters: finish at the first stop string, trimming it (and
+        everything after it) from the text unless no_stop_trim."""
+        stops = self.sampling.stop
+        window_start = max(0, len(self.text) - delta_len - max(len(s) for s in stops) + 1)
+        hits = [(at, s) for s in stops if (at := self.text.find(s, window_start)) >= 0]
+        if hits:
+            at, stop = min(hits)
+            self.text = self.text[: at + len(stop)] if self.sampling.no_stop_trim else self.text[:at]
+            self.finish("stop", matched=stop)
+
+    def finish(self, reason: str, matched: Any = None, message: str | None = None) -> None:
+        info: dict[str, Any] = {"type": reason}
+        if matched is not None:
+            info["matched"] = matched
+        if message is not None:
+            info["message"] = message
+        self.finish_reason = info
+        self.status = ReqStatus.FINISHED

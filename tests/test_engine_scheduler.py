@@ -1,0 +1,460 @@
+"""Scheduler, paged KV, prefix cache and retraction, tested exactly against a fake model.
+
+The fake runner keeps a real paged KV pool (one uint64 "K/V" per token slot). A token's K/V chains
+on the K/V of the previous position, read back through the block table, and a hidden row folds the
+K/V of every position up to it -- so a wrong page table, a missing copy-on-write, a restore that
+writes the wrong bytes or a prefix hit at the wrong length changes the logits, and with them the
+greedy tokens. The reference (`reference_greedy`) computes the same chain with no pages at all.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from jengine.config import LaunchConfig
+from jengine.engine.batch import NULL_PAGE
+from jengine.engine.engine import Engine
+from jengine.engine.kv_manager import KVManager
+from jengine.engine.prefix_cache import PrefixCache
+from jengine.engine.io_struct import visible_text
+from jengine.engine.request import Req, SamplingParams, derive_sample_seeds
+
+VOCAB = 32
+MASK = (1 << 64) - 1
+
+
+def mix(a: int, b: int) -> int:
+    x = (a * 0x9E3779B97F4A7C15 + b + 0x632BE59BD9B4E019) & MASK
+    x ^= x >> 29
+    x = (x * 0xBF58476D1CE4E5B9) & MASK
+    return x ^ (x >> 32)
+
+
+def kv_value(prev: int, token: int, pos: int) -> int:
+    return mix(mix(prev, token), pos)
+
+
+def fake_logits(h: int) -> np.ndarray:
+    return np.random.default_rng(h).standard_normal(VOCAB).astype(np.float32)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float32)
+    m = x.max(axis=-1, keepdims=True)
+    return (x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))).astype(np.float32)
+
+
+class FakeRunner:
+    def __init__(self, page_size=4, num_pages=64, max_context=160, poison_token=None, step_delay=0.0):
+        self.page_size, self.num_pages, self.max_context = page_size, num_pages, max_context
+        self.kv = np.zeros((num_pages, page_size), np.uint64)
+        self.poison_token = poison_token
+        self.step_delay = step_delay
+        self.null_reads = 0
+
+    def _slot(self, table, pos):
+        page = int(table[pos // self.page_size])
+        if page == NULL_PAGE:
+            self.null_reads += 1
+        return page, pos % self.page_size
+
+    def forward(self, batch):
+        time.sleep(self.step_delay)
+        if self.poison_token is not None and self.poison_token in batch.input_ids:
+            raise RuntimeError("poisoned step")
+        for tok, pos, r in zip(batch.input_ids, batch.positions, batch.token_req):
+            table = batch.block_tables[r]
+            prev = int(self.kv[self._slot(table, pos - 1)]) if pos > 0 else 0
+            self.kv[self._slot(table, pos)] = np.uint64(kv_value(prev, int(tok), int(pos)))
+        rows = []
+        for i in batch.hidden_rows:
+            table, pos = batch.block_tables[batch.token_req[i]], int(batch.positions[i])
+            h = 0
+            for q in range(pos + 1):  # "attention" over every position up to this one
+                h = mix(h, int(self.kv[self._slot(table, q)]))
+            rows.append(h)
+        return np.array(rows, np.uint64)
+
+    def compute_logits(self, hidden):
+        return np.stack([fake_logits(int(h)) for h in hidden]) if len(hidden) else np.zeros((0, VOCAB))
+
+    def copy_pages(self, src, dst):
+        self.kv[dst] = self.kv[src]
+
+    def read_pages(self, pages):
+        return self.kv[pages].copy()
+
+    def write_pages(self, pages, data):
+        self.kv[pages] = data
+
+
+class FakeSampler:
+    def sample(self, logits, rows):
+        out = []
+        for i, row in enumerate(logits):
+            if rows.temperature[i] == 0:
+                out.append(int(np.argmax(row)))
+            else:  # keyed by (seed, position) only, like the real per-request stream
+                g = np.random.default_rng([int(rows.seed[i]), int(rows.position[i])]).gumbel(size=VOCAB)
+                out.append(int(np.argmax(row / rows.temperature[i] + g)))
+        return np.array(out, np.int32)
+
+    def token_logprobs(self, logits, ids):
+        return log_softmax(np.asarray(logits))[np.arange(len(ids)), ids]
+
+    def top_logprobs(self, logits, k):
+        lp = log_softmax(np.asarray(logits))
+        ids = np.argsort(-lp, axis=-1, kind="stable")[:, :k]
+        return np.take_along_axis(lp, ids, -1), ids.astype(np.int32)
+
+
+class FakeDetokenizer:
+    def __init__(self, prompt_ids=()):
+        pass
+
+    def add(self, t):
+        return chr(ord("a") + t % 26)
+
+    def flush(self):
+        return ""
+
+
+def make_engine(runner=None, eos=(), **launch):
+    runner = runner or FakeRunner()
+    cfg = LaunchConfig(**{"chunked_prefill_size": 8, "max_prefill_tokens": 24,
+                          "max_running_requests": 8, **launch})
+    return Engine.from_components(
+        config=cfg, model_config=SimpleNamespace(vocab_size=VOCAB, input_vocab_size=VOCAB + 8),
+        tokenizer=SimpleNamespace(encode=lambda s: [ord(c) % VOCAB for c in s]), eos_token_ids=eos,
+        runner=runner, sampler=FakeSampler(), detokenizer_factory=FakeDetokenizer)
+
+
+def ref_hidden(tokens):
+    kv, h_rows, prev = [], [], 0
+    for p, t in enumerate(tokens):
+        prev = kv_value(prev, t, p)
+        kv.append(prev)
+    for p in range(len(tokens)):
+        h = 0
+        for q in range(p + 1):
+            h = mix(h, kv[q])
+        h_rows.append(h)
+    return h_rows
+
+
+def reference_greedy(prompt, n):
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(int(np.argmax(fake_logits(ref_hidden(tokens)[-1]))))
+    return tokens[len(prompt):]
+
+
+def greedy(n, **kw):
+    return {"max_new_tokens": n, "temperature": 0, "ignore_eos": True, **kw}
+
+
+def assert_pool_clean(eng):
+    """After all requests: every used page belongs to the prefix cache alone."""
+    eng.kv.check_consistent()
+    cache = eng.scheduler.cache
+    held = cache.num_pages if cache else 0
+    assert eng.kv.num_used == held
+    if cache:
+        cache.flush()
+    assert eng.kv.num_used == 0
+
+
+@pytest.fixture
+def rnd():
+    return random.Random(1234)
+
+
+# -- the reference property under load --------------------------------------------------------------
+@pytest.mark.parametrize("launch", [
+    {},
+    {"disable_radix_cache": True},
+    {"debug_force_retraction_interval": 3},
+    {"debug_force_retraction_interval": -2, "chunked_prefill_size": 3},
+])
+def test_concurrent_mixed_requests_match_reference(launch, rnd):
+    # 40 pages x 4 tokens: far less than the load needs at once, so retraction and eviction happen.
+    eng = make_engine(FakeRunner(num_pages=41), **launch)
+    base = [rnd.randrange(VOCAB) for _ in range(20)]
+    prompts = [base[: rnd.randrange(1, 20)] + [rnd.randrange(VOCAB) for _ in range(rnd.randrange(0, 12))]
+               for _ in range(24)]
+    lengths = [rnd.randrange(1, 24) for _ in prompts]
+    with eng:
+        outs = eng.generate(input_ids=prompts, sampling_params=[greedy(n) for n in lengths])
+        for prompt, n, out in zip(prompts, lengths, outs):
+            assert out["output_ids"] == reference_greedy(prompt, n)
+            assert out["meta_info"]["finish_reason"] == {"type": "length"}
+            assert out["meta_info"]["completion_tokens"] == n
+        stats = eng.stats()
+        if launch.get("debug_force_retraction_interval"):
+            assert stats["retractions_total"] >= len(prompts)
+        assert eng.runner.null_reads == 0
+        assert_pool_clean(eng)
+
+
+def test_pool_exhaustion_retracts_and_completes():
+    runner = FakeRunner(num_pages=9)  # 8 pages = 32 tokens for eight requests of 5 + 12 tokens
+    eng = make_engine(runner, disable_radix_cache=True)
+    prompts = [[i, i + 1, 2, 3, 4] for i in range(8)]
+    with eng:
+        outs = eng.generate(input_ids=prompts, sampling_params=greedy(12))
+        assert [o["output_ids"] for o in outs] == [reference_greedy(p, 12) for p in prompts]
+        assert eng.stats()["retractions_total"] > 0
+        # A request longer than the whole pool is aborted with a message; the engine keeps serving.
+        big = eng.generate(input_ids=[1, 2, 3], sampling_params=greedy(40))
+        assert big["meta_info"]["finish_reason"]["type"] == "abort"
+        assert "KV pool exhausted" in big["meta_info"]["finish_reason"]["message"]
+        assert eng.generate(input_ids=[5, 6], sampling_params=greedy(3))["output_ids"] == reference_greedy([5, 6], 3)
+        assert_pool_clean(eng)
+
+
+# -- prefix cache -------------------------------------------------------------------------------------
+def test_prefix_hit_resumes_at_exact_token_count():
+    eng = make_engine()
+    with eng:
+        a = [3, 1, 4, 1, 5, 9, 2]  # 7 tokens: the prompt end sits mid-page (page_size 4)
+        out_a = eng.generate(input_ids=a, sampling_params=greedy(3))
+        assert out_a["meta_info"]["cached_tokens"] == 0
+        # Prompt end published at 7; the finish at 7 + 3 - 1 = 9 tokens (the last sampled token
+        # has no K/V yet). A prompt extending A's full sequence hits all 9.
+        b = a + out_a["output_ids"] + [7, 7]
+        out_b = eng.generate(input_ids=b, sampling_params=greedy(4))
+        assert out_b["meta_info"]["cached_tokens"] == 9
+        assert out_b["output_ids"] == reference_greedy(b, 4)
+        # Diverging after 6 tokens: hit 6 (inside a cached page: copied, not shared).
+        c = a[:6] + [0, 0, 0]
+        out_c = eng.generate(input_ids=c, sampling_params=greedy(4))
+        assert out_c["meta_info"]["cached_tokens"] == 6
+        assert out_c["output_ids"] == reference_greedy(c, 4)
+        # The cached run A was not overwritten by C's writes after the shared tail (copy-on-write).
+        again = eng.generate(input_ids=b, sampling_params=greedy(4))
+        assert again["meta_info"]["cached_tokens"] == len(b) - 1
+        assert again["output_ids"] == out_b["output_ids"]
+        # A hit never covers the whole prompt: the last prompt token is always computed.
+        assert eng.generate(input_ids=a, sampling_params=greedy(3))["meta_info"]["cached_tokens"] == 6
+        assert eng.stats()["cache_hit_tokens_total"] > 0
+        assert eng.flush_cache()
+        assert eng.generate(input_ids=a, sampling_params=greedy(1))["meta_info"]["cached_tokens"] == 0
+        assert_pool_clean(eng)
+
+
+def test_prefix_cache_unit_split_evict_and_partial_leaves():
+    kv = KVManager(num_pages=20, page_size=4)
+    cache = PrefixCache(kv)
+    kv.evict_hook = cache.evict
+    seq = list(range(10))
+    pages = kv.alloc(3)
+    cache.insert(seq[:6], pages[:2])  # prompt end mid-page: a partial leaf
+    assert cache.match(seq, 10).length == 6
+    cache.insert(seq, pages)  # the finish extends it: the partial leaf is dropped, not duplicated
+    assert cache.num_pages == 3 and [kv.refcount(p) for p in pages] == [2, 2, 2]
+    m = cache.match(seq[:5] + [99, 99], 7)
+    assert (m.length, m.shared_pages, m.partial_page) == (5, pages[:1], pages[1])
+    other = kv.alloc(2)
+    cache.insert(seq[:5] + [99, 99, 98], [pages[0], other[0]])  # splits after page 0
+    assert cache.match(seq[:5] + [99, 99, 98, 1], 100).length == 8
+    assert cache.match(seq, 100).length == 10
+    kv.decref(pages)
+    kv.decref(other)  # the tree is the only holder now; other[1] was never cached
+    assert kv.num_used == 4
+    # Least recently used leaf first: the [99, 99, 98] branch (seq was matched after it).
+    assert cache.evict(1) == 1
+    assert cache.match(seq[:5] + [99, 99, 98, 1], 100).length == 5  # still inside seq's page 1
+    assert cache.match(seq, 100).length == 10
+    assert cache.evict(2) == 2  # seq's tail leaf; the shared first page stays
+    assert cache.match(seq, 100).length == 4
+    cache.flush()
+    kv.check_consistent()
+    assert kv.num_used == 0
+
+
+def test_prompt_logprobs_recomputed_under_a_prefix_hit():
+    eng = make_engine(input_logprob_chunk_tokens=3)
+    prompt = [5, 4, 3, 2, 1, 9, 8, 7, 6, 5, 4]
+    with eng:
+        eng.generate(input_ids=prompt, sampling_params=greedy(2))  # cache the whole prompt
+        out = eng.generate(input_ids=prompt, sampling_params=greedy(0), return_logprob=True,
+                           logprob_start_len=0, top_logprobs_num=2)
+        meta = out["meta_info"]
+        assert meta["cached_tokens"] == 0  # capped at logprob_start_len = 0
+        assert out["output_ids"] == [] and meta["finish_reason"] == {"type": "length"}
+        hidden = ref_hidden(prompt)
+        expected = [log_softmax(fake_logits(hidden[p]))[prompt[p + 1]] for p in range(len(prompt) - 1)]
+        got = meta["input_token_logprobs"]
+        assert got[0] == (None, prompt[0], None) and len(got) == len(prompt)
+        assert [t for _, t, _ in got] == prompt
+        assert np.array(expected, np.float32).view(np.uint32).tolist() == \
+            np.array([v for v, _, _ in got[1:]], np.float32).view(np.uint32).tolist()
+        assert len(meta["input_top_logprobs"]) == len(prompt) and meta["input_top_logprobs"][0] is None
+        # From logprob_start_len = 6 the hit may cover at most 6 tokens.
+        out6 = eng.generate(input_ids=prompt, sampling_params=greedy(1), return_logprob=True,
+                            logprob_start_len=6)
+        assert out6["meta_info"]["cached_tokens"] == 6
+        lp6 = [v for v, _, _ in out6["meta_info"]["input_token_logprobs"]]
+        assert lp6[0] is None and lp6[1:] == [float(x) for x in expected[6:]]
+        # Output logprobs use the same function as prompt logprobs.
+        (lp, tok, _), = out6["meta_info"]["output_token_logprobs"]
+        assert lp == float(log_softmax(fake_logits(hidden[-1]))[tok])
+
+
+# -- sampling streams ---------------------------------------------------------------------------------
+def test_sampled_tokens_independent_of_batch_and_retraction():
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [2, 2]]
+    params = {"max_new_tokens": 10, "temperature": 1.0, "ignore_eos": True, "seed": 11}
+    with make_engine() as eng:
+        alone = [eng.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
+    with make_engine(debug_force_retraction_interval=2) as eng:
+        packed = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
+    assert packed == alone
+    with make_engine() as eng:
+        other_seed = eng.generate(input_ids=prompts[0], sampling_params={**params, "seed": 12})
+        assert other_seed["output_ids"] != alone[0]  # negative control: the seed matters
+        outs = eng.generate(input_ids=prompts[0], sampling_params={**params, "n": 3}, rid="x")
+        assert [o["meta_info"]["id"] for o in outs] == ["x-0", "x-1", "x-2"]
+        assert len({tuple(o["output_ids"]) for o in outs}) == 3
+        assert len(set(derive_sample_seeds(11, 8))) == 8
+
+
+# -- stop conditions ----------------------------------------------------------------------------------
+def test_stop_conditions():
+    prompt = [1, 2, 3]
+    ref = reference_greedy(prompt, 12)
+    letters = "".join(chr(ord("a") + t % 26) for t in ref)
+    with make_engine(eos=(ref[4],)) as eng:
+        out = eng.generate(input_ids=prompt, sampling_params={"max_new_tokens": 12, "temperature": 0})
+        first = ref.index(ref[4])
+        assert out["output_ids"] == ref[: first + 1]
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": ref[4]}
+        out = eng.generate(input_ids=prompt, sampling_params=greedy(12, stop_token_ids=[ref[2]]))
+        assert out["output_ids"] == ref[: ref.index(ref[2]) + 1]
+        stop = letters[5:7]
+        out = eng.generate(input_ids=prompt, sampling_params=greedy(12, stop=stop))
+        at = letters.index(stop)
+        assert out["text"] == letters[:at] and out["meta_info"]["finish_reason"]["matched"] == stop
+        out = eng.generate(input_ids=prompt, sampling_params=greedy(12, stop=[stop], no_stop_trim=True))
+        assert out["text"] == letters[: at + 2]
+        # Context length: 160 tokens; a 150-token prompt gets 10 tokens.
+        out = eng.generate(input_ids=[1] * 150, sampling_params=greedy(50))
+        assert len(out["output_ids"]) == 10 and out["meta_info"]["finish_reason"]["type"] == "length"
+        out = eng.generate(input_ids=[1] * 150, sampling_params=greedy(None))  # None: up to the context
+        assert len(out["output_ids"]) == 10
+
+
+def test_streaming_callbacks_and_abort():
+    with make_engine() as eng:
+        seen = []
+        h = eng.submit(input_ids=[1, 2, 3], sampling_params=greedy(5), stream=True, on_output=seen.append)
+        final = h.result(timeout=30)
+        assert [len(o["output_ids"]) for o in seen] == [1, 2, 3, 4, 5]
+        assert seen[-1] == final and final["finished"]
+        # Abort from inside a callback (the engine thread) after the third token.
+        h = eng.submit(input_ids=[1, 2, 3], sampling_params=greedy(150), stream=True, rid="long",
+                       on_output=lambda o: len(o["output_ids"]) == 3 and not o["finished"] and eng.abort("long"))
+        out = h.result(timeout=30)
+        assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) == 3
+        assert not eng.abort("long") and not eng.abort("never-seen")
+        assert_pool_clean(eng)
+    # Abort from the caller's thread: each step takes 20 ms, the request would need 3 s.
+    with make_engine(FakeRunner(step_delay=0.02)) as eng:
+        started = threading.Event()
+        h = eng.submit(input_ids=[1, 2, 3], sampling_params=greedy(150), stream=True, rid="slow",
+                       on_output=lambda o: started.set())
+        assert started.wait(30) and eng.abort("slow")
+        out = h.result(timeout=30)
+        assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) < 150
+        assert_pool_clean(eng)
+
+
+# -- bad input and failing steps ----------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, match", [
+    ({"input_ids": []}, "input_ids is empty"),
+    ({"input_ids": [1, VOCAB + 8]}, r"input_ids\[1\]=40"),
+    ({"input_ids": [1] * 160}, "context length is 160"),
+    ({"input_ids": [1, 2], "sampling_params": {"temprature": 1}}, "temprature"),
+    ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, r"top_p=0"),
+    ({"input_ids": [1, 2], "sampling_params": {"top_k": 0}}, r"top_k=0"),
+    ({"input_ids": [1, 2], "sampling_params": {"min_p": 2}}, r"min_p=2"),
+    ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, r"temperature=-1"),
+    ({"input_ids": [1, 2], "sampling_params": {"seed": -3}}, r"seed=-3"),
+    ({"input_ids": [1, 2], "sampling_params": {"n": 0}}, r"n=0"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1000}}, "max_new_tokens=1000"),
+    ({"input_ids": [1, 2], "logprob_start_len": 2}, "logprob_start_len=2"),
+    ({"input_ids": [1, VOCAB + 1, 3], "return_logprob": True, "logprob_start_len": 0},
+     r"input_ids\[1\]=33 is a prompt-logprob target"),
+    ({"input_ids": [[1, 2], [3]], "rid": "same"}, "list of rids"),
+    ({"prompt": "ab", "input_ids": [1]}, "exactly one"),
+])
+def test_bad_input_raises_and_engine_keeps_serving(kwargs, match, engine_for_errors):
+    with pytest.raises(ValueError, match=match):
+        engine_for_errors.generate(**kwargs)
+    assert engine_for_errors.generate(input_ids=[1, 2], sampling_params=greedy(2))["output_ids"] == \
+        reference_greedy([1, 2], 2)
+
+
+@pytest.fixture(scope="module")
+def engine_for_errors():
+    with make_engine() as eng:
+        yield eng
+
+
+def test_input_only_token_is_allowed_as_unscored_context(engine_for_errors):
+    # VOCAB + 1 is a valid input id (input_vocab_size = VOCAB + 8) but not an output id. As the
+    # token AT logprob_start_len it is context, not a target (spec, "Input and output vocabularies").
+    out = engine_for_errors.generate(input_ids=[VOCAB + 1, 2, 3], sampling_params=greedy(1),
+                                     return_logprob=True, logprob_start_len=0)
+    assert len(out["meta_info"]["input_token_logprobs"]) == 3
+
+
+def test_failing_step_aborts_its_requests_only():
+    with make_engine(FakeRunner(poison_token=31)) as eng:
+        out = eng.generate(input_ids=[1, 31, 2], sampling_params=greedy(3))
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert "poisoned step" in out["meta_info"]["finish_reason"]["message"]
+        assert eng.generate(input_ids=[1, 2], sampling_params=greedy(3))["output_ids"] == reference_greedy([1, 2], 3)
+        assert_pool_clean(eng)
+
+
+def test_sampling_params_validation_names_field():
+    assert SamplingParams.from_dict({"stop": "x"}).stop == ("x",)
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['bogus'\]"):
+        SamplingParams.from_dict({"bogus": 1})
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[-1])
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(ignore_eos="yes")
+
+
+def test_concurrent_callers(engine_for_errors):
+    prompts = [[i, i + 3, 7] for i in range(8)]
+    results = {}
+
+    def call(i):
+        results[i] = engine_for_errors.generate(input_ids=prompts[i], sampling_params=greedy(6))["output_ids"]
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [results[i] for i in range(8)] == [reference_greedy(p, 6) for p in prompts]
+
+
+def test_streamed_text_holds_back_a_possible_stop_string():
+    req = Req(rid="r", prompt_ids=[1], sampling=SamplingParams(stop=("xyz", "q")), seed=0)
+    req.text = "abcxy"
+    assert visible_text(req) == "abc"  # "xy" may still become "xyz"
+    req.text = "abcx!"
+    assert visible_text(req) == "abcx!"
+    req.finish("length")
+    req.text = "abcxy"
+    assert visible_text(req) == "abcxy"  # finished: nothing is held back
