@@ -1,0 +1,83 @@
+"""Startup refusals end to end: `jengine generate` exits non-zero and `Engine(...)` raises, each with
+the rule and the values, for every model an rl-bitwise launch cannot serve."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jengine import Engine  # noqa: E402
+from jengine.numerics import NumericsRefusal  # noqa: E402
+
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
+
+
+def _save(tmp_path_factory, name, model, config_patch=None):
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path)
+    from jengine.models.tiny import ensure_tiny_model
+
+    tiny = ensure_tiny_model()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (path / f).write_bytes((tiny / f).read_bytes())
+    if config_patch:
+        cfg = json.loads((path / "config.json").read_text())
+        cfg.update(config_patch)
+        (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    torch.manual_seed(0)
+    qwen3 = lambda v: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(vocab_size=v, **TINY))  # noqa: E731
+    return {
+        "vocab32000": _save(tmp_path_factory, "v32000", qwen3(32000)),
+        "quantized": _save(tmp_path_factory, "quant", qwen3(32768),
+                           {"quantization_config": {"quant_method": "fp8"}}),
+        "undeclared": _save(tmp_path_factory, "llama", transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(vocab_size=32768, **TINY))),
+    }
+
+
+CASES = {
+    "vocab32000": "multiple of 32768",
+    "quantized": "quantiz",
+    "undeclared": "require_verified_numerics",
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_engine_refuses_at_startup(models, case):
+    with pytest.raises(NumericsRefusal, match=CASES[case]):
+        Engine(model_path=str(models[case]), numerics="rl-bitwise", skip_warmup=True)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cli_exits_nonzero_with_the_reason(models, case):
+    proc = subprocess.run(
+        [sys.executable, "-m", "jengine.cli", "generate", "--model", str(models[case]),
+         "--numerics", "rl-bitwise", "--prompt", "hi", "--max-new-tokens", "1", "--skip-warmup"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert CASES[case] in proc.stderr, proc.stderr[-2000:]
+
+
+def test_moe_tp_and_sampling_refusals_name_the_switch():
+    with pytest.raises(NumericsRefusal, match="moe-tp-size"):
+        Engine(model_path="tiny", numerics="rl-bitwise", moe_tp_size=2, skip_warmup=True)
+    with pytest.raises(NumericsRefusal, match="sampling-stream"):
+        Engine(model_path="tiny", numerics="rl-bitwise", sampling_stream="batch", skip_warmup=True)
+
+
+def test_the_same_models_start_under_auto(models):
+    # The refusals are the envelope's, not the loader's: auto serves the undeclared model.
+    with Engine(model_path=str(models["undeclared"]), numerics="auto", skip_warmup=True) as eng:
+        out = eng.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2,
+                                                                 "temperature": 0})
+        assert len(out["output_ids"]) == 2
