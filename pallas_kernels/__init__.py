@@ -1,0 +1,9 @@
+"""Kernel leaves and their registry.
+
+Importing the package registers every in-tree leaf. The Triton leaves register only where triton
+and jax-triton import and a GPU is present; elsewhere their modules import and register nothing.
+"""
+
+from pallas_kernels import registry  # noqa: F401
+from pallas_kernels import activation, attention, gemm, logprobs, rmsnorm, sampling  # noqa: F401
+from pallas_kernels import triton_activation, triton_gemm, triton_norm, triton_sampling  # noqa: F401

@@ -44,19 +44,20 @@ def _pad_context(k_ctx, v_ctx):
     return k_ctx, v_ctx
 
 
-def attend_fixed_order(q, k_ctx, v_ctx, q_pos, *, scale):
-    """q [T, Hq, D]; k_ctx, v_ctx [T, C, Hkv, D] (context index = absolute position); q_pos [T]."""
+def attend_fixed_order(q, k_ctx, v_ctx, q_ctx, q_pos, *, scale):
+    """q [T, Hq, D]; k_ctx, v_ctx [R, C, Hkv, D] (context index = absolute position);
+    q_ctx [T]: which context each query row reads; q_pos [T]: the row's position."""
     t, hq, d = q.shape
     k_ctx, v_ctx = _pad_context(k_ctx, v_ctx)
     c, hkv = k_ctx.shape[1], k_ctx.shape[2]
     g = hq // hkv
     qf = q.astype(jnp.float32).reshape(t, hkv, g, d)
-    kf = jnp.transpose(k_ctx.astype(jnp.float32), (0, 2, 3, 1))  # [T, Hkv, D, C]
-    vf = jnp.transpose(v_ctx.astype(jnp.float32), (0, 2, 1, 3))  # [T, Hkv, C, D]
+    kf = jnp.transpose(k_ctx.astype(jnp.float32), (0, 2, 3, 1))  # [R, Hkv, D, C]
+    vf = jnp.transpose(v_ctx.astype(jnp.float32), (0, 2, 1, 3))  # [R, Hkv, C, D]
 
     def score_step(i, s):
         qd = lax.dynamic_index_in_dim(qf, i, axis=3, keepdims=False)  # [T, Hkv, G]
-        kd = lax.dynamic_index_in_dim(kf, i, axis=2, keepdims=False)  # [T, Hkv, C]
+        kd = lax.dynamic_index_in_dim(kf, i, axis=2, keepdims=False)[q_ctx]  # [T, Hkv, C]
         return s + qd[..., None] * kd[:, :, None, :]
 
     s = lax.fori_loop(0, d, score_step, jnp.zeros((t, hkv, g, c), jnp.float32))
@@ -69,7 +70,7 @@ def attend_fixed_order(q, k_ctx, v_ctx, q_pos, *, scale):
         l_acc, o_acc = carry
         start = b * KV_BLOCK
         pb = lax.dynamic_slice_in_dim(p, start, KV_BLOCK, axis=3)  # [T, Hkv, G, B]
-        vb = lax.dynamic_slice_in_dim(vf, start, KV_BLOCK, axis=2)  # [T, Hkv, B, D]
+        vb = lax.dynamic_slice_in_dim(vf, start, KV_BLOCK, axis=2)[q_ctx]  # [T, Hkv, B, D]
         vmask = lax.dynamic_slice_in_dim(valid, start, KV_BLOCK, axis=3)[..., None]
         pv = jnp.where(vmask, pb[..., None] * vb[:, :, None, :, :], 0.0)  # [T, Hkv, G, B, D]
         live = (start <= q_pos)[:, None, None]  # block holds at least one valid position
@@ -83,32 +84,33 @@ def attend_fixed_order(q, k_ctx, v_ctx, q_pos, *, scale):
     return (o / l[..., None]).astype(q.dtype).reshape(t, hq, d)
 
 
-def attend_xla_native(q, k_ctx, v_ctx, q_pos, *, scale):
+def attend_xla_native(q, k_ctx, v_ctx, q_ctx, q_pos, *, scale):
     """The same attention with XLA's own dot and reductions (auto mode; batch-variant)."""
     t, hq, d = q.shape
     c, hkv = k_ctx.shape[1], k_ctx.shape[2]
     g = hq // hkv
     qf = q.reshape(t, hkv, g, d)
-    s = jnp.einsum("thgd,tchd->thgc", qf, k_ctx, preferred_element_type=jnp.float32)
+    s = jnp.einsum("thgd,tchd->thgc", qf, k_ctx[q_ctx], preferred_element_type=jnp.float32)
     s = s * jnp.float32(scale)
     valid = (jnp.arange(c)[None, :] <= q_pos[:, None])[:, None, None, :]
     p = jax.nn.softmax(jnp.where(valid, s, -jnp.inf), axis=-1)
-    o = jnp.einsum("thgc,tchd->thgd", p, v_ctx.astype(jnp.float32))
+    o = jnp.einsum("thgc,tchd->thgd", p, v_ctx[q_ctx].astype(jnp.float32))
     return o.astype(q.dtype).reshape(t, hq, d)
 
 
-def _gather_pages(cache, token_pages):
-    """cache [Np, ps, Hkv, D], token_pages [T, P] -> [T, P*ps, Hkv, D] in position order."""
-    ctx = cache[token_pages]  # [T, P, ps, Hkv, D]
-    t, p, ps, hkv, d = ctx.shape
-    return ctx.reshape(t, p * ps, hkv, d)
+def _gather_pages(cache, block_tables):
+    """cache [Np, ps, Hkv, D], block_tables [R, P] -> [R, P*ps, Hkv, D] in position order."""
+    ctx = cache[block_tables]  # [R, P, ps, Hkv, D]
+    r, p, ps, hkv, d = ctx.shape
+    return ctx.reshape(r, p * ps, hkv, d)
 
 
 def _paged(core):
-    def paged_attention(q, k_cache, v_cache, token_pages, positions, *, scale):
-        k_ctx = _gather_pages(k_cache, token_pages)
-        v_ctx = _gather_pages(v_cache, token_pages)
-        return core(q, k_ctx, v_ctx, positions, scale=scale)
+    def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, *, scale):
+        """q [T, Hq, D]; caches [Np, ps, Hkv, D]; block_tables [R, P]; token_req, positions [T]."""
+        k_ctx = _gather_pages(k_cache, block_tables)
+        v_ctx = _gather_pages(v_cache, block_tables)
+        return core(q, k_ctx, v_ctx, token_req, positions, scale=scale)
 
     return paged_attention
 
@@ -117,10 +119,9 @@ def _dense_causal(core):
     def dense_causal_attention(q, k, v, *, scale):
         """q [B, S, Hq, D], k/v [B, S, Hkv, D] -> [B, S, Hq, D]; query i attends to 0..i."""
         b, s, hq, d = q.shape
-        k_ctx = jnp.broadcast_to(k[:, None], (b, s) + k.shape[1:]).reshape(b * s, *k.shape[1:])
-        v_ctx = jnp.broadcast_to(v[:, None], (b, s) + v.shape[1:]).reshape(b * s, *v.shape[1:])
+        q_ctx = jnp.repeat(jnp.arange(b, dtype=jnp.int32), s)
         q_pos = jnp.tile(jnp.arange(s, dtype=jnp.int32), b)
-        out = core(q.reshape(b * s, hq, d), k_ctx, v_ctx, q_pos, scale=scale)
+        out = core(q.reshape(b * s, hq, d), k, v, q_ctx, q_pos, scale=scale)
         return out.reshape(b, s, hq, d)
 
     return dense_causal_attention

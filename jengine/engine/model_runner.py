@@ -79,9 +79,9 @@ class ModelRunner:
         self._write = jax.jit(self._write_impl, donate_argnums=(0, 1))
 
     # -- jitted bodies ----------------------------------------------------------------------------
-    def _forward_impl(self, state, k_cache, v_cache, input_ids, positions, token_pages):
+    def _forward_impl(self, state, k_cache, v_cache, input_ids, positions, token_req, block_tables):
         model = nnx.merge(self._graphdef, state)
-        return model(input_ids, positions, token_pages, k_cache, v_cache)
+        return model(input_ids, positions, token_req, block_tables, k_cache, v_cache)
 
     def _logits_impl(self, state, hidden):
         return nnx.merge(self._graphdef, state).compute_logits(hidden)
@@ -104,14 +104,19 @@ class ModelRunner:
         p = batch.block_tables.shape[1]
         p_pad = min(_next_pow2(max(p, 1)), _next_pow2(self.max_pages_per_request))
         p_pad = max(p_pad, p)
+        # Requests never outnumber tokens, so the block table shares the token bucket: row t_pad-1
+        # is then always a padding row of null pages, and padding tokens point at it.
+        r = len(batch.block_tables)
         input_ids = np.zeros(t_pad, np.int32)
         positions = np.zeros(t_pad, np.int32)
-        token_pages = np.full((t_pad, p_pad), NULL_PAGE, np.int32)
+        token_req = np.full(t_pad, t_pad - 1, np.int32)
+        block_tables = np.full((t_pad, p_pad), NULL_PAGE, np.int32)
         input_ids[:t] = batch.input_ids
         positions[:t] = batch.positions
-        token_pages[:t, :p] = batch.block_tables[batch.token_req]
+        token_req[:t] = batch.token_req
+        block_tables[:r, :p] = batch.block_tables
         hidden, self.k_cache, self.v_cache = self._forward(
-            self._state, self.k_cache, self.v_cache, input_ids, positions, token_pages)
+            self._state, self.k_cache, self.v_cache, input_ids, positions, token_req, block_tables)
         return jnp.take(hidden, jnp.asarray(batch.hidden_rows, jnp.int32), axis=0)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
@@ -157,7 +162,7 @@ class ModelRunner:
             # padding and writes only into the null page.
             _, self.k_cache, self.v_cache = self._forward(
                 self._state, self.k_cache, self.v_cache, np.zeros(t, np.int32),
-                np.zeros(t, np.int32), np.full((t, p), NULL_PAGE, np.int32))
+                np.zeros(t, np.int32), np.zeros(t, np.int32), np.full((t, p), NULL_PAGE, np.int32))
         seconds = time.perf_counter() - start
         logger.info("compiled %d step buckets in %.1f s", len(combos), seconds)
         return seconds

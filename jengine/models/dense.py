@@ -19,14 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import pallas_kernels  # noqa: F401  (importing the package registers every in-tree leaf)
 from jengine.models.rope import apply_rope, rope_tables
 from pallas_kernels.registry import KernelPlan, plan
-
-# Importing the leaf modules registers them.
-import pallas_kernels.activation  # noqa: F401
-import pallas_kernels.attention  # noqa: F401
-import pallas_kernels.gemm  # noqa: F401
-import pallas_kernels.rmsnorm  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -119,16 +114,16 @@ class DenseDecoder(nnx.Module):
         self.rope_sin = nnx.Variable(sin)
 
     # -- forward ----------------------------------------------------------------------------------
-    def __call__(self, input_ids, positions, token_pages, k_cache, v_cache):
+    def __call__(self, input_ids, positions, token_req, block_tables, k_cache, v_cache):
         """One step over T token rows.
 
-        input_ids, positions [T]; token_pages [T, P] (each token's request's pages);
+        input_ids, positions, token_req [T]; block_tables [R, P] (each request's pages);
         k_cache, v_cache [L, num_pages, page_size, Hkv, D]. Returns the final-norm hidden states
         [T, H] and the updated caches (every row's K/V written before any row attends).
         """
         cfg, kern = self.cfg, self.kernels
         page_size = k_cache.shape[2]
-        page = jnp.take_along_axis(token_pages, (positions // page_size)[:, None], axis=1)[:, 0]
+        page = block_tables[token_req, positions // page_size]
         slot = positions % page_size
         cos = self.rope_cos[...][positions]
         sin = self.rope_sin[...][positions]
@@ -145,7 +140,8 @@ class DenseDecoder(nnx.Module):
                 x = kern.rmsnorm(h, layer.input_layernorm[...], eps=eps)
             else:
                 x, residual = kern.add_rmsnorm(h, residual, layer.input_layernorm[...], eps=eps)
-            attn, kc, vc = self._attention(layer, x, positions, token_pages, page, slot, cos, sin,
+            attn, kc, vc = self._attention(layer, x, positions, token_req, block_tables, page, slot,
+                                           cos, sin,
                                            k_cache[i], v_cache[i])
             new_k.append(kc)
             new_v.append(vc)
@@ -166,7 +162,8 @@ class DenseDecoder(nnx.Module):
     def _linear(self, x, w, bias=None):
         return self.kernels.gemm(x, w[...], None if bias is None else bias[...], out_dtype=self.dtype)
 
-    def _attention(self, layer, x, positions, token_pages, page, slot, cos, sin, k_cache, v_cache):
+    def _attention(self, layer, x, positions, token_req, block_tables, page, slot, cos, sin,
+                   k_cache, v_cache):
         cfg, kern = self.cfg, self.kernels
         t = x.shape[0]
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -181,7 +178,7 @@ class DenseDecoder(nnx.Module):
         k = apply_rope(k, cos, sin)
         k_cache = k_cache.at[page, slot].set(k.astype(k_cache.dtype))
         v_cache = v_cache.at[page, slot].set(v.astype(v_cache.dtype))
-        o = kern.attention(q, k_cache, v_cache, token_pages, positions, scale=d ** -0.5)
+        o = kern.attention(q, k_cache, v_cache, block_tables, token_req, positions, scale=d ** -0.5)
         o_bias = layer.o_bias if layer.has_o_bias else None
         return self._linear(o.reshape(t, hq * d), layer.o_proj, o_bias), k_cache, v_cache
 

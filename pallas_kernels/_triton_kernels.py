@@ -1,0 +1,204 @@
+"""The @triton.jit sources of the GPU leaves: one source each, launched from JAX and from torch.
+
+This module imports triton at the top, so only the leaf modules (triton_gemm.py, triton_norm.py,
+triton_activation.py, triton_sampling.py) import it, lazily, on first call. Everything here is a
+pure function of static shapes: no autotuning, no split-K, no tile chosen by the row count.
+
+Why one source and not two implementations: jax-triton compiles a `triton.jit` function with the
+installed Triton, and torch launches the same function through Triton's own launcher, so the two
+hosts run the same PTX (measured: 0 differing outputs; platform-facts.md). A trainer that calls the
+torch launchers gets the engine's bits, not a re-implementation's.
+
+Arithmetic choices that keep the bits independent of the row count and faithful to the HF forms:
+* GEMM: a fixed (BM, BN, BK) tile per static (N, K, dtype); each output tile accumulates over K in
+  order, BK at a time, in an f32 accumulator; rows outside M are loaded as zeros and never stored.
+  A row is one row of the MMA, so its products and sums never touch its neighbours.
+* f32 operands use input_precision="ieee" (Triton's default for f32 is TF32).
+* exp and rsqrt are libdevice's (__nv_expf, __nv_rsqrtf): the functions torch CUDA and XLA call;
+  Triton's own tl.exp is ex2.approx. Division is div_rn (IEEE); Triton's `/` is div.full (approx).
+* Sums over a row are the lead's halving tree (pallas_kernels/fixed_order.tree_sum): pad to a power
+  of two with zeros, then repeatedly add the upper half onto the lower half.
+
+Argument order: inputs (arrays, then scalars), then outputs, then constexprs, because jax-triton
+appends the output pointers after every positional input.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+# -- GEMM ------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["M"])
+def fixed_tile_gemm_kernel(
+    x_ptr, w_ptr, bias_ptr, M, out_ptr,
+    N: tl.constexpr, K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE_F32: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """out[M, N] = cast(x[M, K] @ w[K, N] (+ bias[N]) in f32). Row-major, contiguous operands."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n: tl.constexpr = (N + BN - 1) // BN
+    # Grouped launch order for L2 reuse. It decides which program computes which tile, never how a
+    # tile is computed, so it may depend on M.
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    group_rows = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_rows
+    pid_n = (pid % group) // group_rows
+
+    # 64-bit arithmetic only in the scalar tile base; in-tile offsets stay 32-bit (fewer registers).
+    x_ptr += pid_m.to(tl.int64) * (BM * K)
+    out_ptr += pid_m.to(tl.int64) * (BM * N)
+    rows_here = M - pid_m * BM
+    rm = tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    x_ptrs = x_ptr + rm[:, None] * K + offs_k[None, :]
+    w_ptrs = w_ptr + offs_k[:, None] * N + offs_n[None, :]
+    row_ok = rm[:, None] < rows_here
+    col_ok = offs_n[None, :] < N
+    EVEN_K: tl.constexpr = K % BK == 0
+    EVEN_N: tl.constexpr = N % BN == 0
+
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):  # K is static: a fixed trip count, k blocks in order
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=row_ok, other=0.0)
+            if EVEN_N:
+                b = tl.load(w_ptrs)
+            else:
+                b = tl.load(w_ptrs, mask=col_ok, other=0.0)
+        else:
+            k_ok = (k0 + offs_k) < K
+            a = tl.load(x_ptrs, mask=row_ok & k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok, other=0.0)
+        if IEEE_F32:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        x_ptrs += BK
+        w_ptrs += BK * N
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    out_ptrs = out_ptr + rm[:, None] * N + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok & col_ok)
+
+
+# -- the halving tree ------------------------------------------------------------------------------
+
+
+@triton.jit
+def halving_tree_sum(v, WIDTH: tl.constexpr, LOG2: tl.constexpr):
+    """Sum of a [WIDTH] vector, WIDTH = 2**LOG2: v[:h] + v[h:] until one element is left.
+
+    tl.reshape keeps row-major order (can_reorder=False), so row 0 of the [2, h] view is v[:h] and
+    row 1 is v[h:]; the size-2 sum is one IEEE add (commutative), i.e. exactly fixed_order.tree_sum.
+    """
+    for level in tl.static_range(LOG2):
+        v = tl.sum(tl.reshape(v, (2, WIDTH >> (level + 1))), axis=0)
+    return tl.sum(v, axis=0)  # one element left
+
+
+# -- RMSNorm ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rmsnorm_row(xf, w_ptr, offs, ok, eps, H: tl.constexpr, BLOCK: tl.constexpr,
+                 LOG2: tl.constexpr, out_ty: tl.constexpr):
+    sq = tl.where(ok, xf * xf, 0.0)
+    var = tl.math.div_rn(halving_tree_sum(sq, BLOCK, LOG2), H * 1.0)
+    # eps arrives as f32 from both launchers; the cast keeps the sum in f32 even if a host passes
+    # fp64 (jax-triton's type for a Python float).
+    normed = (xf * libdevice.rsqrt(var + eps.to(tl.float32))).to(out_ty)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(out_ty)
+    return (w.to(tl.float32) * normed.to(tl.float32)).to(out_ty)
+
+
+@triton.jit
+def rmsnorm_kernel(x_ptr, w_ptr, eps, out_ptr,
+                   H: tl.constexpr, BLOCK: tl.constexpr, LOG2: tl.constexpr):
+    """One row per program: HF RMSNorm (widen, mean of squares, rsqrt, round, * weight, round)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < H
+    x = tl.load(x_ptr + row * H + offs, mask=ok, other=0.0)
+    y = _rmsnorm_row(x.to(tl.float32), w_ptr, offs, ok, eps, H, BLOCK, LOG2,
+                     x_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * H + offs, y, mask=ok)
+
+
+@triton.jit
+def add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, eps, out_ptr, new_res_ptr,
+                       H: tl.constexpr, BLOCK: tl.constexpr, LOG2: tl.constexpr):
+    """Fused layer boundary: total = x + residual in f32 feeds the norm; the rounded total is the
+    new residual stream (pallas_kernels/rmsnorm.add_rmsnorm)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < H
+    x = tl.load(x_ptr + row * H + offs, mask=ok, other=0.0)
+    r = tl.load(res_ptr + row * H + offs, mask=ok, other=0.0)
+    total = x.to(tl.float32) + r.to(tl.float32)
+    out_ty: tl.constexpr = x_ptr.dtype.element_ty
+    y = _rmsnorm_row(total, w_ptr, offs, ok, eps, H, BLOCK, LOG2, out_ty)
+    tl.store(out_ptr + row * H + offs, y, mask=ok)
+    tl.store(new_res_ptr + row * H + offs, total.to(out_ty), mask=ok)
+
+
+# -- SiLU ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def silu_kernel(x_ptr, n, out_ptr, BLOCK: tl.constexpr):
+    """x / (1 + exp(-x)) in f32, rounded once: torch's ActivationSiluKernel form."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0)
+    xf = x.to(tl.float32)
+    y = tl.math.div_rn(xf, 1.0 + libdevice.exp(-xf))
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# -- block_sumexp ----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _exp_chunk(row_ptr, block_start, c: tl.constexpr, CHUNK: tl.constexpr):
+    offs = block_start + c * CHUNK + tl.arange(0, CHUNK)
+    return libdevice.exp(tl.load(row_ptr + offs))
+
+
+@triton.jit
+def block_sumexp_kernel(shifted_ptr, out_ptr, V: tl.constexpr, BLOCK: tl.constexpr,
+                        CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr):
+    """out[r, j] = halving-tree sum of exp(shifted[r, j*BLOCK:(j+1)*BLOCK]).
+
+    The first levels of a halving tree over BLOCK elements add chunk c to chunk c + n/2, so over
+    NCH = BLOCK / CHUNK chunks the tree is T(c) = T(even chunks) + T(odd chunks); it is written
+    out for NCH <= 8 below, then the remaining levels run inside one CHUNK-wide vector.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    NCH: tl.constexpr = BLOCK // CHUNK
+    row_ptr = shifted_ptr + row * V
+    start = blk * BLOCK
+    if NCH == 1:
+        v = _exp_chunk(row_ptr, start, 0, CHUNK)
+    elif NCH == 2:
+        v = _exp_chunk(row_ptr, start, 0, CHUNK) + _exp_chunk(row_ptr, start, 1, CHUNK)
+    elif NCH == 4:
+        v = ((_exp_chunk(row_ptr, start, 0, CHUNK) + _exp_chunk(row_ptr, start, 2, CHUNK))
+             + (_exp_chunk(row_ptr, start, 1, CHUNK) + _exp_chunk(row_ptr, start, 3, CHUNK)))
+    else:
+        tl.static_assert(NCH == 8, "block_sumexp: BLOCK / CHUNK must be 1, 2, 4 or 8")
+        v = (((_exp_chunk(row_ptr, start, 0, CHUNK) + _exp_chunk(row_ptr, start, 4, CHUNK))
+              + (_exp_chunk(row_ptr, start, 2, CHUNK) + _exp_chunk(row_ptr, start, 6, CHUNK)))
+             + ((_exp_chunk(row_ptr, start, 1, CHUNK) + _exp_chunk(row_ptr, start, 5, CHUNK))
+                + (_exp_chunk(row_ptr, start, 3, CHUNK) + _exp_chunk(row_ptr, start, 7, CHUNK))))
+    total = halving_tree_sum(v, CHUNK, LOG2_CHUNK)
+    tl.store(out_ptr + row * (V // BLOCK) + blk, total)

@@ -1,0 +1,106 @@
+"""("norm", "rmsnorm") and ("norm", "add_rmsnorm") on the GPU: one Triton source, two hosts.
+
+Same arithmetic as the portable leaves in pallas_kernels/rmsnorm.py (the HF form): widen to f32,
+sum of squares in the halving tree of fixed_order.tree_sum (pad to a power of two with zeros, add
+the upper half onto the lower half until one element is left), divide by H (IEEE division), multiply
+by rsqrt(var + eps) (libdevice __nv_rsqrtf, the function XLA and torch call), round to the input
+dtype, multiply by the weight rounded to that dtype, round again. One row per program, the tree is a
+function of H alone, so a row's bits never depend on how many rows share the call.
+
+`add_rmsnorm` is the fused layer-boundary form: the f32 sum x + residual feeds the norm and its
+rounding is the new residual.
+
+eps is passed as an f32 scalar from both hosts: jax-triton types a Python float as fp64 (torch's
+Triton launcher as fp32), and an fp64 eps promotes `var + eps` and the rsqrt to fp64 -- measured on
+the H200 as torch-vs-jax differences in up to 706,657 of 2,097,152 f32 outputs before this was fixed.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from pallas_kernels._triton_launch import (INVARIANT, contiguous, dtype_name, jax_launch, kernels,
+                                           next_pow2, require_cuda_tensors, torch_launch,
+                                           triton_available)
+from pallas_kernels.registry import Priority, register
+
+FORMATS = {"bf16", "f32"}
+
+
+def _launch_params(h: int) -> tuple[dict, int]:
+    block = next_pow2(h)
+    num_warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
+    return dict(H=h, BLOCK=block, LOG2=block.bit_length() - 1), num_warps
+
+
+def _check(name, x, weight, residual=None) -> tuple[int, int]:
+    if len(x.shape) != 2:
+        raise ValueError(f"{name}: x must be [rows, hidden], got shape {tuple(x.shape)}")
+    m, h = x.shape
+    if tuple(weight.shape) != (h,):
+        raise ValueError(f"{name}: weight.shape={tuple(weight.shape)} must be ({h},)")
+    if dtype_name(x.dtype) not in FORMATS:
+        raise ValueError(f"{name}: x.dtype={dtype_name(x.dtype)} must be one of {sorted(FORMATS)}")
+    if residual is not None and (tuple(residual.shape) != (m, h) or residual.dtype != x.dtype):
+        raise ValueError(f"{name}: residual shape/dtype {tuple(residual.shape)}/{residual.dtype} "
+                         f"must equal x's {(m, h)}/{x.dtype}")
+    return m, h
+
+
+def rmsnorm_triton(x, weight, *, eps):
+    m, h = _check("rmsnorm", x, weight)
+    if m == 0:
+        return x
+    consts, warps = _launch_params(h)
+    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return jax_launch(kernels().rmsnorm_kernel, (x, weight, np.float32(eps)), out, (m,),
+                      num_warps=warps, num_stages=1, **consts)
+
+
+def add_rmsnorm_triton(x, residual, weight, *, eps):
+    m, h = _check("add_rmsnorm", x, weight, residual)
+    if m == 0:
+        return x, residual
+    consts, warps = _launch_params(h)
+    outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype))
+    normed, new_residual = jax_launch(kernels().add_rmsnorm_kernel,
+                                      (x, residual, weight, np.float32(eps)), outs, (m,),
+                                      num_warps=warps, num_stages=1, **consts)
+    return normed, new_residual
+
+
+def rmsnorm_triton_torch(x, weight, *, eps):
+    """The trainer's twin: the same kernel launched by Triton on torch CUDA tensors."""
+    import torch
+
+    m, h = _check("rmsnorm_triton_torch", x, weight)
+    require_cuda_tensors("rmsnorm_triton_torch", x, weight)
+    x, weight = contiguous(x), contiguous(weight)
+    out = torch.empty_like(x)
+    if m:
+        consts, warps = _launch_params(h)
+        torch_launch(kernels().rmsnorm_kernel, (x, weight, float(eps)), (out,), (m,),
+                     num_warps=warps, num_stages=1, **consts)
+    return out
+
+
+def add_rmsnorm_triton_torch(x, residual, weight, *, eps):
+    import torch
+
+    m, h = _check("add_rmsnorm_triton_torch", x, weight, residual)
+    require_cuda_tensors("add_rmsnorm_triton_torch", x, residual, weight)
+    x, residual, weight = contiguous(x), contiguous(residual), contiguous(weight)
+    out, new_residual = torch.empty_like(x), torch.empty_like(x)
+    if m:
+        consts, warps = _launch_params(h)
+        torch_launch(kernels().add_rmsnorm_kernel, (x, residual, weight, float(eps)),
+                     (out, new_residual), (m,), num_warps=warps, num_stages=1, **consts)
+    return out, new_residual
+
+
+if triton_available():
+    register("norm", "rmsnorm", "triton_fixed_tree", formats=FORMATS, hardware={"gpu"},
+             priority=Priority.TUNED, **INVARIANT)(rmsnorm_triton)
+    register("norm", "add_rmsnorm", "triton_fixed_tree", formats=FORMATS, hardware={"gpu"},
+             priority=Priority.TUNED, **INVARIANT)(add_rmsnorm_triton)

@@ -1,0 +1,210 @@
+"""The Triton GPU leaves: what can be checked on any machine, and the bitwise checks that need a GPU.
+
+Any machine: the modules import without triton (and then register nothing), tiles are a function of
+static shapes only, bad input names the field, jax-triton's import no longer breaks Triton's cache
+for torch in the same process, and the bench's byte count matches Llama-3-8B's published size.
+
+GPU (skipped unless triton, jax-triton, torch CUDA and a JAX GPU backend are all present; run on the
+GPU machine with ``JAX_PLATFORMS=cuda``): row invariance and torch-vs-jax launch bit equality, with
+XLA's own dot as the negative control. A skip validates nothing: the GPU record is
+docs/gpu-validation.md, produced by scripts/gpu_validate.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from pallas_kernels import triton_activation, triton_gemm, triton_norm, triton_sampling
+from pallas_kernels._triton_launch import bits, dtype_name, import_jax_triton, triton_available
+from pallas_kernels.registry import REGISTRY
+
+TRITON_IMPLS = {("linear", "gemm"): "triton_fixed_tile", ("norm", "rmsnorm"): "triton_fixed_tree",
+                ("norm", "add_rmsnorm"): "triton_fixed_tree",
+                ("activation", "silu"): "triton_elementwise",
+                ("sampling", "block_sumexp"): "triton_fixed_tree"}
+
+
+# -- any machine -----------------------------------------------------------------------------------
+
+
+def test_registration_follows_triton_availability():
+    for (family, name), impl in TRITON_IMPLS.items():
+        leaves = {l.impl: l for l in REGISTRY.leaves(family, name)}
+        if not triton_available():
+            assert impl not in leaves, f"{family}.{name}: registered without triton"
+            continue
+        leaf = leaves[impl]
+        assert leaf.hardware == frozenset({"gpu"})
+        assert "batch_invariant" in leaf.features
+        assert leaf.traits == {"deterministic": True, "batch_invariant": True}
+
+
+def test_tile_is_a_function_of_static_shape_only():
+    assert list(inspect.signature(triton_gemm.tile_for).parameters) == ["n", "k", "dtype"]
+    tiles = list(triton_gemm.TUNED_BF16_TILES.values()) + [triton_gemm.DEFAULT_BF16_TILE,
+                                                            triton_gemm.WIDE_BF16_TILE]
+    for t in tiles:
+        # bf16 tiles stay on the wgmma path (BM >= 64) and use power-of-two blocks.
+        assert t.block_m >= 64, t
+        for v in (t.block_m, t.block_n, t.block_k):
+            assert v & (v - 1) == 0, t
+    assert triton_gemm.tile_for(4096, 4096, "f32") == triton_gemm.DEFAULT_F32_TILE
+
+
+@pytest.mark.parametrize("call, needle", [
+    (lambda: triton_gemm.gemm_triton(np.zeros((2, 3), np.float32), np.zeros((4, 5), np.float32),
+                                     out_dtype=np.float32), "x.shape[1]=3"),
+    (lambda: triton_gemm.gemm_triton(np.zeros((2, 3), np.float32), np.zeros((3, 5), np.float16),
+                                     out_dtype=np.float32), "w.dtype=f16"),
+    (lambda: triton_gemm.gemm_triton(np.zeros((2, 3), np.float32), np.zeros((3, 5), np.float32),
+                                     np.zeros(4, np.float32), out_dtype=np.float32), "bias.shape"),
+    (lambda: triton_norm.rmsnorm_triton(np.zeros((2, 8), np.float32), np.zeros(7, np.float32),
+                                        eps=1e-6), "weight.shape=(7,)"),
+    (lambda: triton_activation.silu_triton(np.zeros(4, np.int32)), "x.dtype=int32"),
+    (lambda: triton_sampling.block_sumexp_triton(np.zeros((2, 10), np.float32), block_size=4),
+     "block_size=4"),
+])
+def test_bad_input_names_the_field(call, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")):
+        call()
+
+
+def test_dtype_names():
+    import jax.numpy as jnp
+
+    assert [dtype_name(d) for d in (jnp.bfloat16, jnp.float32, np.float32, "bfloat16", "f32")] == [
+        "bf16", "f32", "f32", "bf16", "f32"]
+
+
+def test_bits_tell_signed_zeros_apart():
+    b = bits(np.array([0.0, -0.0], np.float32))
+    assert b[0] != b[1]
+    assert bits(np.array([1.5], np.float32))[0] == np.float32(1.5).view(np.uint32)
+
+
+@pytest.fixture
+def fake_jax_triton(tmp_path, monkeypatch):
+    """A stand-in package that does what jax-triton 0.3.1 does at import: TRITON_CACHE_DIR = ""."""
+    pkg = tmp_path / "jax_triton"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text('import os\nos.environ["TRITON_CACHE_DIR"] = ""\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "jax_triton", raising=False)
+    importlib.invalidate_caches()
+    yield
+    sys.modules.pop("jax_triton", None)
+
+
+def test_plain_import_clobbers_the_cache_dir(fake_jax_triton, monkeypatch):
+    # Negative control: without the guard the variable is left empty.
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere")
+    import jax_triton  # noqa: F401
+
+    assert os.environ["TRITON_CACHE_DIR"] == ""
+
+
+@pytest.mark.parametrize("previous", [None, "/somewhere"])
+def test_guarded_import_restores_the_cache_dir(fake_jax_triton, monkeypatch, previous):
+    if previous is None:
+        monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_CACHE_DIR", previous)
+    import_jax_triton()
+    assert os.environ.get("TRITON_CACHE_DIR") == previous
+
+
+def test_bench_bytes_match_the_published_llama3_8b_size():
+    from jengine.bench_report import decode_bytes
+
+    weights_read = decode_bytes(0, 0, 128256) / 2  # every projection + the LM head, 2 bytes each
+    embedding, norms = 128256 * 4096, (2 * 32 + 1) * 4096
+    assert weights_read + embedding + norms == 8_030_261_248  # HF model card parameter count
+
+
+# -- GPU -------------------------------------------------------------------------------------------
+
+
+def _gpu_ready() -> bool:
+    if not triton_available():
+        return False
+    try:
+        import jax
+        import torch
+
+        return torch.cuda.is_available() and jax.default_backend() == "gpu"
+    except Exception:  # noqa: BLE001 - any failure means no usable GPU here
+        return False
+
+
+gpu = pytest.mark.skipif(not _gpu_ready(), reason="needs triton, jax-triton and a CUDA GPU "
+                         "(run on the GPU machine with JAX_PLATFORMS=cuda)")
+ROWS = (1, 2, 3, 7, 64)
+
+
+def _row_diffs(fn, x, *rest):
+    """Bits differing between rows computed in batches of M and the same rows computed alone."""
+    alone = np.concatenate([bits(fn(x[r:r + 1], *rest)) for r in range(max(ROWS))])
+    return {m: int(np.count_nonzero(bits(fn(x[:m], *rest)) != alone[:m])) for m in ROWS}
+
+
+@pytest.fixture(scope="module")
+def gemm_inputs():
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.random.normal(jax.random.key(0), (64, 2048), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(jax.random.key(1), (2048, 1024), jnp.float32) / 45).astype(jnp.bfloat16)
+    return x, w
+
+
+@gpu
+def test_gemm_rows_and_launches_bitwise(gemm_inputs):
+    import jax.numpy as jnp
+    import torch
+
+    x, w = gemm_inputs
+    fn = lambda x, w: triton_gemm.gemm_triton(x, w, out_dtype=jnp.bfloat16)
+    assert _row_diffs(fn, x, w) == {m: 0 for m in ROWS}
+    tx, tw = torch.from_dlpack(x), torch.from_dlpack(w)
+    for m in ROWS:
+        t = triton_gemm.gemm_triton_torch(tx[:m], tw, out_dtype=torch.bfloat16)
+        assert np.array_equal(bits(t), bits(fn(x[:m], w)))
+
+
+@gpu
+def test_negative_control_xla_dot_is_row_variant(gemm_inputs):
+    from pallas_kernels.gemm import gemm_xla_native
+    import jax.numpy as jnp
+
+    x, w = gemm_inputs
+    diffs = _row_diffs(lambda x, w: gemm_xla_native(x, w, out_dtype=jnp.float32), x, w)
+    assert sum(diffs.values()) > 0, "the row comparison found nothing where XLA is known to differ"
+
+
+@gpu
+def test_norm_silu_sumexp_rows_and_launches_bitwise():
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    x = jax.random.normal(jax.random.key(2), (64, 4096), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(3), (4096,), jnp.float32).astype(jnp.bfloat16)
+    s = jax.random.normal(jax.random.key(4), (64, 65536), jnp.float32) * 3 - 12
+    cases = [
+        (lambda x, w: triton_norm.rmsnorm_triton(x, w, eps=1e-5),
+         lambda x, w: triton_norm.rmsnorm_triton_torch(x, w, eps=1e-5), x, (w,)),
+        (triton_activation.silu_triton, triton_activation.silu_triton_torch, x, ()),
+        (lambda s: triton_sampling.block_sumexp_triton(s, block_size=32768),
+         lambda s: triton_sampling.block_sumexp_triton_torch(s, block_size=32768), s, ()),
+    ]
+    for jfn, tfn, a, rest in cases:
+        assert _row_diffs(jfn, a, *rest) == {m: 0 for m in ROWS}
+        t_rest = [torch.from_dlpack(r) for r in rest]
+        assert np.array_equal(bits(tfn(torch.from_dlpack(a), *t_rest)), bits(jfn(a, *rest)))
