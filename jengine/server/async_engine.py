@@ -1,0 +1,229 @@
+"""The engine as the asyncio event loop sees it.
+
+The Engine runs its scheduler loop in its own thread and reports each request's outputs through an
+`on_output` callback called *from that thread*. `AsyncEngine` hands every such output to the event
+loop with `loop.call_soon_threadsafe`, into a per-request `asyncio.Queue` that the HTTP handler
+reads. Tokenization, chat templating and engine calls that may wait on the engine's lock run in a
+small thread pool, so neither the event loop nor the engine step waits on them.
+
+It also keeps the set of requests in flight, which is what abort-on-disconnect and graceful
+shutdown act on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from jengine.server.errors import RequestError, from_value_error
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Update:
+    """One engine output as the routes use it: the request's output so far (`out`, SGLang shape,
+    cumulative) and what this output added (`new_*`)."""
+
+    out: dict
+    new_text: str
+    new_ids: list[int]
+    new_logprobs: list  # (logprob, token_id, None) per new token; [] without return_logprob
+    new_top_logprobs: list  # per new token, its top-k triples; [] without top_logprobs_num
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.out.get("finished"))
+
+
+_OUTPUT_LISTS = ("output_token_logprobs", "output_top_logprobs")
+
+
+def _advance(prev: dict | None, out: dict) -> Update:
+    """Cumulative view and delta from the engine's output (cumulative like SGLang's default
+    stream: each output carries the whole text, output_ids and output logprobs so far)."""
+    done_ids = len(prev["output_ids"]) if prev else 0
+    done_text = len(prev["text"]) if prev else 0
+    meta = out.get("meta_info", {})
+    new_lists = [list(meta.get(k) or ())[done_ids:] for k in _OUTPUT_LISTS]
+    return Update(out, out.get("text", "")[done_text:], list(out.get("output_ids", ()))[done_ids:],
+                  *new_lists)
+
+
+class RequestStream:
+    """One submitted request: its outputs arrive on `queue`, the last one has `finished` True."""
+
+    def __init__(self, owner: "AsyncEngine", rid: str, queue: asyncio.Queue):
+        self.owner = owner
+        self.rid = rid
+        self.queue = queue
+        self.finished = False
+        self.last: dict | None = None  # cumulative output so far
+        self.arrival = time.monotonic()
+
+    async def updates(self) -> AsyncIterator[Update]:
+        """Yield every output until the final one. If the consumer stops early (client gone,
+        task cancelled), the request is aborted so its KV pages are freed."""
+        try:
+            while not self.finished:
+                update = _advance(self.last, await self.queue.get())
+                self.owner._observe(self, update)
+                self.finished = update.finished
+                self.last = update.out
+                yield update
+        finally:
+            if not self.finished:
+                self.abort()
+            self.owner._forget(self.rid)
+
+    async def final(self) -> dict:
+        async for _ in self.updates():
+            pass
+        assert self.last is not None
+        return self.last
+
+    def abort(self) -> None:
+        self.owner.abort_soon(self.rid)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Any, metrics: Any = None, tokenizer_threads: int = 2):
+        self.engine = engine
+        self.metrics = metrics  # ServerMetrics: latency histograms observed per request
+        self.tokenizer = engine.tokenizer
+        # Tokenization and submission share one pool; calls that wait for the engine thread to
+        # reach them (abort, flush, info) get their own, so a burst of aborts (each waiting up to a
+        # step) never delays tokenizing someone else's prompt.
+        self._pool = ThreadPoolExecutor(max_workers=tokenizer_threads,
+                                        thread_name_prefix="jengine-tokenize")
+        self._control_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="jengine-control")
+        self._in_flight: dict[str, RequestStream] = {}
+        self._token_text: dict[int, str] = {}
+        self.draining = False  # set on shutdown: new requests get 503
+
+    # -- work off the event loop ------------------------------------------------------------------
+    async def run_blocking(self, fn: Callable, *args, **kwargs) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+
+    async def run_control(self, fn: Callable, *args, **kwargs) -> Any:
+        """An engine call that may wait for the current step (flush_cache, server_info, ...)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._control_pool, lambda: fn(*args, **kwargs))
+
+    async def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each text (a rendered chat already carries its special tokens: pass
+        add_special_tokens=False, as HF's apply_chat_template(tokenize=True) does)."""
+        return await self.run_blocking(lambda: [
+            self.tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts])
+
+    async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return await self.run_blocking(self.tokenizer.apply_chat_template, messages,
+                                       add_generation_prompt=add_generation_prompt)
+
+    async def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token decoded on its own (what OpenAI logprobs call `token`); cached per id."""
+        missing = [i for i in set(ids) if i not in self._token_text]
+        if missing:
+            decoded = await self.run_blocking(lambda: {
+                i: self.tokenizer.decode([i], skip_special_tokens=False) for i in missing})
+            self._token_text.update(decoded)
+        return [self._token_text[i] for i in ids]
+
+    # -- requests -----------------------------------------------------------------------------------
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    async def submit(self, *, input_ids: list[int], sampling_params: dict, rid: str | None = None,
+                     return_logprob: bool = False, logprob_start_len: int = -1,
+                     top_logprobs_num: int = 0, stream: bool = False) -> RequestStream:
+        """Submit one request. The engine validates synchronously; its ValueError propagates
+        (the app maps it to a 400 naming the field)."""
+        if self.draining:
+            raise RequestError("server is shutting down; not admitting new requests", status=503)
+        rid = rid or uuid.uuid4().hex
+        if rid in self._in_flight:
+            raise RequestError(f"rid={rid!r} is already in flight", "rid", rid)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        handle = RequestStream(self, rid, queue)
+
+        def on_output(out: dict) -> None:  # engine thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+            except RuntimeError:  # the loop closed under us during shutdown; nobody is listening
+                pass
+
+        self._in_flight[rid] = handle
+        try:
+            await self.run_blocking(
+                self.engine.submit, input_ids=input_ids, sampling_params=sampling_params,
+                return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                top_logprobs_num=top_logprobs_num, rid=rid, stream=stream, on_output=on_output)
+        except ValueError as exc:  # the engine's own validation: a client mistake
+            self._in_flight.pop(rid, None)
+            raise from_value_error(exc) from None
+        except BaseException:
+            self._in_flight.pop(rid, None)
+            raise
+        return handle
+
+    async def submit_all(self, items: list[dict]) -> list[RequestStream]:
+        """Submit a batch; if any item is refused, abort the ones already admitted."""
+        handles: list[RequestStream] = []
+        try:
+            for item in items:
+                handles.append(await self.submit(**item))
+        except BaseException:
+            for h in handles:
+                h.abort()
+                self._forget(h.rid)
+            raise
+        return handles
+
+    def _observe(self, handle: RequestStream, update: Update) -> None:
+        if self.metrics is None:
+            return
+        if handle.last is None and update.new_ids and not update.finished:
+            self.metrics.ttft.observe(time.monotonic() - handle.arrival)
+        if update.finished:
+            self.metrics.e2e_latency.observe(time.monotonic() - handle.arrival)
+
+    def _forget(self, rid: str) -> None:
+        self._in_flight.pop(rid, None)
+
+    def abort_soon(self, rid: str) -> None:
+        """Abort without waiting (callable from a `finally` of a cancelled task)."""
+        self._control_pool.submit(self._abort_logged, rid)
+
+    def _abort_logged(self, rid: str) -> bool:
+        try:
+            return bool(self.engine.abort(rid))
+        except Exception:  # an abort must never take the server down
+            logger.exception("engine.abort(%r) failed", rid)
+            return False
+
+    async def abort(self, rid: str) -> bool:
+        """Abort `rid`; a request sent with n > 1 is aborted as a whole by its own rid (its
+        samples run as `<rid>-<j>`, the engine's naming)."""
+        samples = [r for r in self._in_flight
+                   if r.startswith(rid + "-") and r[len(rid) + 1:].isdigit()]
+        rids = [rid] if rid in self._in_flight or not samples else samples
+        results = [await self.run_control(self._abort_logged, r) for r in rids]
+        return any(results)
+
+    async def abort_all(self) -> int:
+        rids = list(self._in_flight)
+        for rid in rids:
+            await self.run_control(self._abort_logged, rid)
+        return len(rids)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._control_pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,100 @@
+"""HTTP error bodies: every bad request becomes a 400 that names the field and the value.
+
+Body shape (OpenAI-compatible, plus `field` and `value`):
+    {"error": {"message": ..., "type": "invalid_request_error", "field": ..., "value": ..., "code": 400}}
+
+The `openai` client reads `error.message`; SGLang-dialect clients read the status code. Pydantic's
+422 is remapped to 400 here so every client sees one convention.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+
+from jengine.server.http_utils import JSONResponse
+
+_MAX_VALUE_CHARS = 200  # a 100k-token prompt must not be echoed back whole
+
+
+class RequestError(Exception):
+    """A client mistake: becomes an HTTP error naming `field` and `value`."""
+
+    def __init__(self, message: str, field: str | None = None, value: Any = None, status: int = 400):
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.value = value
+        self.status = status
+
+    def renamed(self, names: dict[str, str]) -> "RequestError":
+        """The same error with engine field names replaced by the route's (max_new_tokens -> max_tokens)."""
+        if self.field is None:
+            return self
+        head, sep, tail = self.field.partition("[")
+        new_field = names.get(head, head) + sep + tail
+        message = self.message.replace(self.field, new_field) if new_field != self.field else self.message
+        return RequestError(message, new_field, self.value, self.status)
+
+
+def _json_safe(value: Any) -> Any:
+    """Echo the offending value if it is small JSON; otherwise a truncated repr."""
+    try:
+        text = json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError):
+        text = None
+    if text is not None and len(text) <= _MAX_VALUE_CHARS:
+        return value
+    shown = repr(value)
+    return shown if len(shown) <= _MAX_VALUE_CHARS else shown[:_MAX_VALUE_CHARS] + "...(truncated)"
+
+
+def error_response(message: str, field: str | None = None, value: Any = None,
+                   status: int = 400, kind: str | None = None) -> JSONResponse:
+    kind = kind or {400: "invalid_request_error", 401: "authentication_error",
+                    404: "not_found_error", 503: "service_unavailable"}.get(status, "server_error")
+    body = {"error": {"message": message, "type": kind, "field": field, "value": _json_safe(value),
+                      "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+# The engine's own validation raises ValueError with a message such as
+# "sampling_params.temperature=-1.0 must be >= 0". Engines that attach `.field` / `.value` are used
+# as is; otherwise the first `name=value` in the message is taken.
+_FIELD_IN_MESSAGE = re.compile(r"([A-Za-z_][\w.\[\]]*)\s*=\s*('[^']*'|\"[^\"]*\"|[^\s,;:)]+)")
+
+
+def from_value_error(exc: ValueError) -> RequestError:
+    field = getattr(exc, "field", None)
+    value = getattr(exc, "value", None)
+    message = str(exc)
+    if field is None:
+        match = _FIELD_IN_MESSAGE.search(message)
+        if match:
+            field, value = match.group(1).lstrip("-").replace("-", "_"), match.group(2).strip("'\"")
+    return RequestError(message, field, value)
+
+
+def validation_error(errors: list[dict]) -> RequestError:
+    """Pydantic's first error -> a RequestError naming the dotted field and the offending value."""
+    if not errors:
+        return RequestError("invalid request body", "body", None)
+    err = errors[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    field = re.sub(r"\.(\d+)", r"[\1]", ".".join(loc)) if loc else "body"
+    if err.get("type") == "extra_forbidden":
+        return RequestError(f"unknown field {field!r}", field, err.get("input"))
+    return RequestError(f"{field}: {err.get('msg', 'invalid value')}", field, err.get("input"))
+
+
+async def handle_request_error(request: Request, exc: RequestError) -> JSONResponse:
+    return error_response(exc.message, exc.field, exc.value, exc.status)
+
+
+async def handle_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    err = validation_error(list(exc.errors()))
+    return error_response(err.message, err.field, err.value, 400)

@@ -1,0 +1,155 @@
+"""POST /generate: SGLang's native dialect, the one RL frameworks (slime, miles, verl) speak.
+
+Request: `text` or `input_ids`, single or batch; `sampling_params` (one object, or one per batch
+item); `return_logprob`, `logprob_start_len`, `top_logprobs_num`, `return_text_in_logprobs`;
+`rid`; `stream`. `sampling_params.n > 1` samples n continuations per prompt, each with its own seed.
+
+Response: the engine's output dict (`text`, `output_ids`, `meta_info` with `id`, `finish_reason`,
+`prompt_tokens`, `completion_tokens`, `cached_tokens` and, with return_logprob, the logprob
+triples `[logprob, token_id, null]`), or a list of them for a batch (n outputs per prompt, prompt
+by prompt). Streaming sends `data: {...}` events, each holding the output so far (SGLang's
+default, non-incremental stream; a batch adds `index`), then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from jengine.server.async_engine import RequestStream, Update
+from jengine.server.errors import RequestError
+from jengine.server.http_utils import (SSE_DONE, JSONResponse, SSEResponse, sse_event,
+                                       unless_disconnected)
+from jengine.server.inputs import (check_logprob_options, check_prompt, per_item, prompt_batch,
+                                   sample_rids_and_seeds, sampling_params)
+from jengine.server.protocol import GenerateRequest, parse_body
+
+router = APIRouter()
+
+_LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs")
+_TOP_KEYS = ("input_top_logprobs", "output_top_logprobs")
+
+
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    body = await parse_body(request, GenerateRequest)
+    state = request.app.state.server
+    items, is_list = await _build_items(body, state)
+    handles = await state.aengine.submit_all(items)
+    if body.stream:
+        return SSEResponse(_stream(handles, is_list, body, state))
+
+    finals = await unless_disconnected(asyncio.gather(*(h.final() for h in handles)), request,
+                                       lambda: [h.abort() for h in handles])
+    outs = [await _present(out, body, state) for out in finals]
+    return JSONResponse(outs if is_list else outs[0])
+
+
+async def _build_items(body: GenerateRequest, state: Any) -> tuple[list[dict], bool]:
+    """The request as engine submissions, every input checked before any is admitted."""
+    field, prompts, is_batch = prompt_batch(body.text, body.input_ids)
+    ids_list = await state.aengine.encode(prompts) if field == "text" else prompts
+    params = per_item(body.sampling_params, len(ids_list), "sampling_params", is_batch)
+    params_field = ("sampling_params[{}]" if is_batch and isinstance(body.sampling_params, list)
+                    else "sampling_params")
+    rids = _rids(body.rid, len(ids_list), is_batch)
+
+    items: list[dict] = []
+    any_n = False
+    for i, ids in enumerate(ids_list):
+        item_field = f"{field}[{i}]" if is_batch else field
+        check_prompt(ids, state.limits, item_field)
+        check_logprob_options(ids, state.limits, item_field, return_logprob=body.return_logprob,
+                              logprob_start_len=body.logprob_start_len,
+                              top_logprobs_num=body.top_logprobs_num)
+        sp = sampling_params(params[i], len(ids), state.limits, params_field.format(i))
+        n = sp.pop("n", 1)
+        any_n |= n > 1
+        for j, (rid, seed) in enumerate(sample_rids_and_seeds(rids[i], sp.get("seed"), n)):
+            items.append(dict(input_ids=ids, sampling_params={**sp, "seed": seed}, rid=rid,
+                              return_logprob=body.return_logprob,
+                              logprob_start_len=body.logprob_start_len,
+                              top_logprobs_num=body.top_logprobs_num, stream=body.stream))
+    return items, is_batch or any_n
+
+
+def _rids(rid: Any, n: int, is_batch: bool) -> list[str | None]:
+    if rid is None:
+        return [None] * n
+    if not is_batch:
+        if not isinstance(rid, str) or not rid:
+            raise RequestError("rid must be a non-empty string", "rid", rid)
+        return [rid]
+    if (not isinstance(rid, list) or len(rid) != n
+            or not all(isinstance(r, str) and r for r in rid) or len(set(rid)) != n):
+        raise RequestError(f"a batch of {n} needs rid as a list of {n} distinct strings", "rid", rid)
+    return list(rid)
+
+
+async def _present(out: dict, body: GenerateRequest, state: Any, index: int | None = None) -> dict:
+    """The engine's output as the response body (token text in the triples when asked)."""
+    if body.return_text_in_logprobs and body.return_logprob:
+        meta = dict(out["meta_info"])
+        for key in _LOGPROB_KEYS:
+            if meta.get(key):
+                meta[key] = await _with_text(meta[key], state)
+        for key in _TOP_KEYS:
+            if meta.get(key):
+                meta[key] = [await _with_text(row, state) if row else row for row in meta[key]]
+        out = {**out, "meta_info": meta}
+    return out if index is None else {**out, "index": index}
+
+
+async def _with_text(triples: list, state: Any) -> list:
+    texts = await state.aengine.token_texts([int(t[1]) for t in triples])
+    return [(t[0], t[1], text) for t, text in zip(triples, texts)]
+
+
+async def _stream(handles: list[RequestStream], is_list: bool, body: GenerateRequest,
+                  state: Any) -> AsyncIterator[bytes]:
+    async with contextlib.aclosing(merge_updates(handles)) as updates:
+        async for index, update in updates:
+            yield sse_event(await _present(update.out, body, state, index if is_list else None))
+    yield SSE_DONE
+
+
+async def merge_updates(handles: list[RequestStream]) -> AsyncIterator[tuple[int, Update]]:
+    """Interleave several requests' updates as they arrive, tagged with their batch index.
+    Closing this generator early aborts every request that has not finished."""
+    if len(handles) == 1:
+        async with contextlib.aclosing(handles[0].updates()) as updates:
+            async for update in updates:
+                yield 0, update
+        return
+
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, handle: RequestStream) -> None:
+        try:
+            async with contextlib.aclosing(handle.updates()) as updates:
+                async for update in updates:
+                    queue.put_nowait((index, update))
+        except Exception as exc:  # surfaced by the consumer below, not lost in a task
+            queue.put_nowait((index, exc))
+            return
+        queue.put_nowait((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, update = await queue.get()
+            if isinstance(update, Exception):
+                raise update
+            if update is None:
+                remaining -= 1
+            else:
+                yield index, update
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

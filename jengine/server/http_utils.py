@@ -1,0 +1,160 @@
+"""JSON and Server-Sent-Events encoding, client-disconnect handling, and the API-key gate.
+
+Logprobs are float32 values widened to Python floats; `json.dumps` writes the shortest repr that
+round-trips the double, so a client that casts back to float32 gets the engine's exact bits (-0.0
+included). A logprob of -inf is written as `-Infinity` (Python's json reads it back; strict JSON
+parsers do not) rather than silently turned into null.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import numpy as np
+from fastapi import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+logger = logging.getLogger(__name__)
+
+
+def jsonable(obj: Any) -> Any:
+    """Engine values -> JSON values: tuples and arrays become lists, numpy scalars Python ones."""
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, (set, frozenset)):
+        return sorted(jsonable(v) for v in obj)
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return jsonable(dataclasses.asdict(obj))
+    if isinstance(obj, Path):
+        return str(obj)
+    return str(obj)
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(jsonable(obj), ensure_ascii=False, allow_nan=True, separators=(",", ":"))
+
+
+class JSONResponse(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return dumps(content).encode("utf-8")
+
+
+def sse_event(obj: Any) -> bytes:
+    return f"data: {dumps(obj)}\n\n".encode("utf-8")
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that always closes its generator, so a generator's `finally`
+    (which aborts the engine request) runs whether the stream ends, fails or the client leaves.
+    A failure after the stream has started cannot become an HTTP status any more: the client gets
+    an `error` event and `[DONE]` instead of a silently truncated stream."""
+
+    def __init__(self, content: AsyncIterator[bytes], **kw: Any):
+        super().__init__(_guarded(content), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, **kw)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
+async def _guarded(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:
+        logger.exception("stream failed")
+        yield sse_event({"error": {"message": f"internal server error: {type(exc).__name__}: {exc}",
+                                   "type": "server_error", "field": None, "value": None,
+                                   "code": 500}})
+        yield SSE_DONE
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+class ClientGone(Exception):
+    """The client disconnected before its (non-streaming) response was ready."""
+
+
+async def unless_disconnected(work: Awaitable, request: Request, on_disconnect: Callable[[], None],
+                              poll_s: float = 0.25) -> Any:
+    """Await `work`; if the client disconnects first, call `on_disconnect` (abort) and raise."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                on_disconnect()
+                raise ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+class ApiKeyMiddleware:
+    """With --api-key, every HTTP route except /health needs `Authorization: Bearer <key>`."""
+
+    OPEN_PATHS = ("/health",)
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode("utf-8")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self._expected):
+            return await self.app(scope, receive, send)
+        body = {"error": {"message": "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                          "type": "authentication_error", "field": "Authorization",
+                          "value": None, "code": 401}}
+        response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
+class RequestCounter:
+    """Counts HTTP responses by route template and status (pure ASGI: streaming stays untouched)."""
+
+    def __init__(self, app: ASGIApp, counter: Any):
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = {"code": 500}
+
+        async def send_and_note(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            route = getattr(scope.get("route"), "path", "other")
+            self.counter.labels(route=route, status=str(status["code"])).inc()

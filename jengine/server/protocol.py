@@ -1,0 +1,117 @@
+"""Request bodies of every POST route, as pydantic models.
+
+Scalars are typed strictly (a string is not a number, 1 is not a bool); unknown top-level keys are
+refused (`extra="forbid"`), so a typo such as `return_logprobs` is a 400, not a silently ignored
+option. Fields whose JSON shape is a union (a prompt that is a string, a list of strings, a list of
+ids or a list of id lists) are typed `Any` here and checked by hand in `inputs.py`, which produces
+one clear message instead of pydantic's one-error-per-union-branch.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from jengine.server.errors import RequestError, validation_error
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+async def parse_body(request: Request, model: type[Body]) -> Body:
+    """The JSON body as `model`, whatever the Content-Type (curl's -d sends a form type), with
+    every failure a RequestError naming the field."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw) if raw.strip() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}", "body",
+                           raw[:200].decode("utf-8", "replace")) from None
+    if not isinstance(data, dict):
+        raise RequestError("request body must be a JSON object", "body", data)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class GenerateRequest(_Strict):
+    """SGLang's native `/generate` body (GenerateReqInput), the fields jengine serves."""
+
+    text: Any = None  # str | list[str]
+    input_ids: Any = None  # list[int] | list[list[int]]
+    sampling_params: Any = None  # dict | list[dict] (one per batch item)
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: output logprobs only; 0: every prompt position too
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False  # fill the third element of each triple with token text
+    rid: Any = None  # str | list[str]
+    stream: bool = False
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _OpenAIBase(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions.
+
+    Accepted for compatibility but only at their neutral value (checked in openai_api.py):
+    presence_penalty, frequency_penalty, logit_bias. `user`, `metadata`, `store`, `service_tier`
+    are accepted and ignored: they do not change the numbers.
+    """
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None  # None: 1.0 (OpenAI's default)
+    top_p: float | None = None
+    n: int = 1
+    stop: Any = None  # str | list[str]
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # SGLang/vLLM extensions, reachable from the openai client through `extra_body`.
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    no_stop_trim: bool | None = None
+    rid: str | None = None
+
+
+class CompletionRequest(_OpenAIBase):
+    prompt: Any = None  # str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None  # number of top alternatives (0: the chosen token only)
+    echo: bool = False  # prepend the prompt (and score it when logprobs is set)
+    best_of: int | None = None  # only best_of == n is served (no ranking)
+    suffix: str | None = None  # not supported: must be null
+
+
+class ChatCompletionRequest(_OpenAIBase):
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+    tools: list[Any] | None = None  # not supported: must be null or empty
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True  # chat-template switch (vLLM/SGLang extension)
+
+
+class AbortRequest(_Strict):
+    rid: str | None = None
+    abort_all: bool = False
