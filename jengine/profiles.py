@@ -24,12 +24,13 @@ class ModelProfile:
 PROFILES: dict[str, ModelProfile] = {
     p.architecture: p
     for p in (
-        ModelProfile("LlamaForCausalLM", frozenset(),
+        # rl-bitwise for every dense family: tests/test_invariance.py (the invariance harness on the
+        # tiny Qwen3 model and on tiny random Llama / Qwen2 checkpoints) and
+        # tests/test_interop_align.py (teacher-forced trainer dumps of all three, bitwise).
+        ModelProfile("LlamaForCausalLM", frozenset({"rl-bitwise"}),
                      "dense; no qkv bias, no qk-norm; tied or untied head"),
-        ModelProfile("Qwen2ForCausalLM", frozenset(),
+        ModelProfile("Qwen2ForCausalLM", frozenset({"rl-bitwise"}),
                      "dense; qkv bias (attention_bias=True)"),
-        # rl-bitwise: tests/test_invariance.py (every mode, bitwise, on the tiny Qwen3 model) and
-        # tests/test_interop_align.py (teacher-forced trainer dump, bitwise).
         ModelProfile("Qwen3ForCausalLM", frozenset({"rl-bitwise"}),
                      "dense; per-head RMSNorm on q and k (qk_norm=True)"),
     )

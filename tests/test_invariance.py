@@ -97,3 +97,21 @@ def test_negative_control_harness_catches_a_batch_variant_leaf(lying_gemm_leaf):
     results = InvarianceHarness(cfg).run(report=lines.append)
     print(lines[0])
     assert any(r.divergences for r in results if r.mode in ("packed", "chunk-7"))
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
+def test_rl_bitwise_other_dense_families(tmp_path, architecture):
+    """The declared families beyond tiny's Qwen3, on tiny random checkpoints (vocab 32768): every
+    mode at T=0 and T=1, with one chunk size and one retraction interval to keep CI short."""
+    pytest.importorskip("transformers")
+    from interop.testing import make_tiny_hf_model
+
+    path = make_tiny_hf_model(tmp_path / architecture, architecture)
+    cfg = HarnessConfig(model=str(path), numerics="rl-bitwise", prompts=DEFAULT_PROMPTS[:3],
+                        max_new_tokens=6, chunk_sizes=(7,), retraction_intervals=(-3,))
+    lines = []
+    results = InvarianceHarness(cfg).run(report=lines.append)
+    print(lines[0])
+    assert {r.mode for r in results} == {"packed", "rerun", "prefix-hit", "chunk-7", "retract-3"}
+    diverged = [str(d) for r in results for d in r.divergences]
+    assert diverged == [], "\n".join(diverged)

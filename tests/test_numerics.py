@@ -309,7 +309,8 @@ def test_quantized_checkpoint_is_refused(llama_verified):
 
 
 def test_profile_without_the_envelope_is_refused():
-    msg = refusal(resolve(numerics="rl-bitwise"), FakeModelConfig())
+    with override_profile("LlamaForCausalLM", numerics_envelopes=set()):
+        msg = refusal(resolve(numerics="rl-bitwise"), FakeModelConfig())
     assert "require_verified_numerics" in msg and "LlamaForCausalLM" in msg
     assert "numerics_envelopes, which are []" in msg
     msg = refusal(resolve(numerics="rl-bitwise"), FakeModelConfig(architecture="GPT2LMHeadModel"))
@@ -326,8 +327,9 @@ def test_moe_tp_above_one_is_refused():
 
 
 def test_every_violation_is_reported_at_once():
-    msg = refusal(resolve(numerics="rl-bitwise"),
-                  FakeModelConfig(vocab_size=32000, quantization_config={"bits": 4}))
+    with override_profile("LlamaForCausalLM", numerics_envelopes=set()):
+        msg = refusal(resolve(numerics="rl-bitwise"),
+                      FakeModelConfig(vocab_size=32000, quantization_config={"bits": 4}))
     assert msg.count("\n  - ") == 3
 
 
@@ -354,10 +356,10 @@ def test_in_tree_profiles_declare_rl_bitwise_only_where_harnessed():
     # A profile lists rl-bitwise in the change that adds its passing harnesses (invariance + align).
     assert set(PROFILES) == {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
     declared = {a for a, p in PROFILES.items() if "rl-bitwise" in p.numerics_envelopes}
-    assert declared == {"Qwen3ForCausalLM"}
-    with override_profile("LlamaForCausalLM", numerics_envelopes={"rl-bitwise"}) as p:
-        assert get_profile("LlamaForCausalLM") is p and "rl-bitwise" in p.numerics_envelopes
-    assert "rl-bitwise" not in get_profile("LlamaForCausalLM").numerics_envelopes
+    assert declared == {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+    with override_profile("LlamaForCausalLM", numerics_envelopes=set()) as p:
+        assert get_profile("LlamaForCausalLM") is p and "rl-bitwise" not in p.numerics_envelopes
+    assert "rl-bitwise" in get_profile("LlamaForCausalLM").numerics_envelopes
     with pytest.raises(ValueError, match="architecture='GPT2LMHeadModel' is not supported"):
         get_profile("GPT2LMHeadModel")
 

@@ -52,16 +52,27 @@ CASES = {
 }
 
 
+# Every in-tree family declares rl-bitwise, so "undeclared" withdraws Llama's declaration for the
+# run (in the subprocess too) to stand for an architecture that has not earned it.
+UNDECLARE = ("from jengine.profiles import override_profile; import sys, jengine.cli as c; "
+             "ctx = override_profile('LlamaForCausalLM', numerics_envelopes=set()) "
+             "if {undeclared} else None; ctx and ctx.__enter__(); sys.exit(c.main(sys.argv[1:]))")
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_engine_refuses_at_startup(models, case):
-    with pytest.raises(NumericsRefusal, match=CASES[case]):
-        Engine(model_path=str(models[case]), numerics="rl-bitwise", skip_warmup=True)
+    from jengine.profiles import override_profile
+
+    with override_profile("LlamaForCausalLM", numerics_envelopes=set()):
+        with pytest.raises(NumericsRefusal, match=CASES[case]):
+            Engine(model_path=str(models[case]), numerics="rl-bitwise", skip_warmup=True)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cli_exits_nonzero_with_the_reason(models, case):
+    code = UNDECLARE.format(undeclared=case == "undeclared")
     proc = subprocess.run(
-        [sys.executable, "-m", "jengine.cli", "generate", "--model", str(models[case]),
+        [sys.executable, "-c", code, "generate", "--model", str(models[case]),
          "--numerics", "rl-bitwise", "--prompt", "hi", "--max-new-tokens", "1", "--skip-warmup"],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0

@@ -1,0 +1,113 @@
+"""Tiny random HF checkpoints of the dense families, for interop's tests and the docs' walkthrough.
+
+``make_tiny_hf_model(directory, "Qwen3ForCausalLM")`` writes an ordinary transformers directory
+(config.json, model.safetensors via ``save_pretrained``, and the embedded tiny model's tokenizer with
+its chat template) that both HF transformers and jengine load. Vocabulary 32768 (one rl-bitwise
+block), hidden 64, 2 layers. Weights are drawn like jengine's tiny model (projections ~ N(0,
+1/fan_in), norm weights 1 + N(0, 0.1^2)) so that every layer moves the logits: with transformers'
+default 0.02 init the activations vanish below bf16's resolution and alignment bugs hide.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+VOCAB_SIZE = 32768
+
+# Per family: what differs (qkv bias, qk-norm, tied head, rope theta).
+FAMILY_CONFIGS = {
+    "LlamaForCausalLM": dict(rope_theta=500000.0, tie_word_embeddings=False, attention_bias=False),
+    "Qwen2ForCausalLM": dict(rope_theta=1000000.0, tie_word_embeddings=True),
+    "Qwen3ForCausalLM": dict(rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False),
+}
+
+
+def _config(architecture: str, eos_token_id: int, pad_token_id: int):
+    import transformers
+
+    if architecture not in FAMILY_CONFIGS:
+        raise ValueError(f"architecture={architecture!r} is not one of {sorted(FAMILY_CONFIGS)}")
+    extra = dict(FAMILY_CONFIGS[architecture])
+    theta = extra.pop("rope_theta")
+    cls = {"LlamaForCausalLM": transformers.LlamaConfig, "Qwen2ForCausalLM": transformers.Qwen2Config,
+           "Qwen3ForCausalLM": transformers.Qwen3Config}[architecture]
+    return cls(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+               rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": theta},
+               eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=None,
+               architectures=[architecture], dtype="bfloat16", **extra)
+
+
+def _draw_weights(model, seed: int) -> None:
+    """Overwrite every parameter with the scale scheme above (float64 draws -> f32 -> bf16)."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            shape = tuple(p.shape)
+            if name.endswith("norm.weight"):
+                w = 1.0 + 0.1 * rng.standard_normal(shape)
+            elif name.endswith("embed_tokens.weight"):
+                w = 0.25 * rng.standard_normal(shape)
+            elif name.endswith(".bias"):
+                w = 0.1 * rng.standard_normal(shape)
+            else:  # [out, in] projections and an untied head
+                w = rng.standard_normal(shape) / np.sqrt(shape[-1])
+            p.copy_(torch.from_numpy(w.astype(np.float32)).to(p.dtype))
+
+
+def make_tiny_hf_model(directory, architecture: str = "Qwen3ForCausalLM", *, seed: int = 0) -> Path:
+    """Write a tiny random ``architecture`` checkpoint into ``directory`` and return its path."""
+    import torch
+    import transformers
+
+    from jengine.models import tiny
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer_json, special_ids = tiny._tokenizer_json()
+    config = _config(architecture, special_ids[tiny.IM_END], special_ids[tiny.ENDOFTEXT])
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).to(torch.bfloat16)
+    _draw_weights(model, seed)
+    model.save_pretrained(directory)
+    (directory / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": tiny.IM_END,
+        "pad_token": tiny.ENDOFTEXT, "add_bos_token": False, "add_eos_token": False,
+        "chat_template": tiny.CHAT_TEMPLATE, "model_max_length": 2048,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n",
+                                                     encoding="utf-8")
+    return directory
+
+
+def make_certain_token_model(directory, architecture: str = "Qwen3ForCausalLM", *,
+                             tokens: tuple[int, int] = (1000, 2000), seed: int = 0) -> Path:
+    """A tiny model whose next token is (nearly always) certain: logprob exactly ±0.0.
+
+    The final norm keeps only hidden dimension 0 and the LM head reads only that dimension, with
+    +4096 for ``tokens[0]`` and -4096 for ``tokens[1]``: whichever has the positive logit beats
+    every other token by thousands, so the fp32 sum of exp is exactly 1 and the logprob of that
+    token is -0.0 in the negative cross-entropy form and +0.0 in the direct form -- the case that
+    tells the two signed-zero forms apart. Needs an untied head (Llama, Qwen3 configs here).
+    """
+    import torch
+    import transformers
+
+    if FAMILY_CONFIGS[architecture].get("tie_word_embeddings"):
+        raise ValueError(f"{architecture}'s tiny config ties the head; use Llama or Qwen3")
+    directory = make_tiny_hf_model(directory, architecture, seed=seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.bfloat16)
+    with torch.no_grad():
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[tokens[0], 0] = 4096.0
+        model.lm_head.weight[tokens[1], 0] = -4096.0
+    model.save_pretrained(directory)
+    return directory
