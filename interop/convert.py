@@ -139,23 +139,4 @@ def update_runner_weights(runner, state_dict: Mapping[str, Any]) -> None:
     parameter state is swapped in, so the compiled step programs are reused. The KV pool is not
     touched: the caller flushes any cached prefixes (they were computed with the old weights).
     """
-    from flax import nnx
-
-    from jengine.models.dense import DenseDecoder
-
-    weights = state_dict_to_weights(state_dict)
-    cfg = runner.model_config
-    launch = runner.resolved.config
-    model = DenseDecoder(cfg, weights, dtype=runner.dtype, kernels=runner.kernels,
-                         layer_boundary_norm=launch.layer_boundary_norm,
-                         rope_device=launch.yarn_frequency_device)
-    graphdef, state = nnx.split(model)
-    if graphdef != runner._graphdef:
-        raise ValueError("the new weights build a different model structure than the runner's "
-                         "(layer count, biases or tied head differ)")
-    old_leaves, new_leaves = (__import__("jax").tree.leaves(s) for s in (runner._state, state))
-    for i, (a, b) in enumerate(zip(old_leaves, new_leaves)):
-        if a.shape != b.shape or a.dtype != b.dtype:
-            raise ValueError(f"parameter {i}: new {b.dtype}{list(b.shape)} does not match the "
-                             f"runner's {a.dtype}{list(a.shape)}")
-    runner._state = state
+    runner.load_weights(state_dict_to_weights(state_dict))

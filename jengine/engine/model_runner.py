@@ -56,10 +56,7 @@ class ModelRunner:
         self.kernels = ModelKernels.plan_for(dtype=self.dtype, hardware=resolved.hardware,
                                              features=resolved.required_features)
         logger.info("kernel plans: %s", self.kernels.describe())
-        model = DenseDecoder(cfg, loaded.weights, dtype=self.dtype, kernels=self.kernels,
-                             layer_boundary_norm=launch.layer_boundary_norm,
-                             rope_device=launch.yarn_frequency_device)
-        self._graphdef, self._state = nnx.split(model)
+        self._graphdef, self._state = nnx.split(self._build_model(loaded.weights))
 
         self.page_size = launch.page_size
         self.max_context = min(launch.context_length or cfg.max_position_embeddings,
@@ -77,6 +74,29 @@ class ModelRunner:
         self._logits = jax.jit(self._logits_impl)
         self._copy = jax.jit(self._copy_impl, donate_argnums=(0, 1))
         self._write = jax.jit(self._write_impl, donate_argnums=(0, 1))
+
+    def _build_model(self, weights: dict) -> DenseDecoder:
+        launch = self.resolved.config
+        return DenseDecoder(self.model_config, weights, dtype=self.dtype, kernels=self.kernels,
+                            layer_boundary_norm=launch.layer_boundary_norm,
+                            rope_device=launch.yarn_frequency_device)
+
+    def load_weights(self, weights: dict) -> None:
+        """Swap in new HF-named weights of the same shapes (a trainer's handoff after a step).
+
+        The model is rebuilt with the frozen kernel plans and only its parameter state replaces
+        the old one, so the compiled step programs are reused. The KV pool is not touched: the
+        caller flushes cached prefixes, which were computed with the old weights.
+        """
+        graphdef, state = nnx.split(self._build_model(weights))
+        if graphdef != self._graphdef:
+            raise ValueError("the new weights build a different model structure than the runner's "
+                             "(layer count, biases or tied head differ)")
+        for i, (a, b) in enumerate(zip(jax.tree.leaves(self._state), jax.tree.leaves(state))):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise ValueError(f"parameter {i}: new {b.dtype}{list(b.shape)} does not match the "
+                                 f"runner's {a.dtype}{list(a.shape)}")
+        self._state = state
 
     # -- jitted bodies ----------------------------------------------------------------------------
     def _forward_impl(self, state, k_cache, v_cache, input_ids, positions, token_req, block_tables):
