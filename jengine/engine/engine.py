@@ -63,11 +63,10 @@ class Engine:
         from jengine.engine.model_runner import ModelRunner
         from jengine.engine.sampler import Sampler
         from jengine.models import IncrementalDetokenizer, load_model
-        from jengine.numerics import check_model
 
+        _enable_compilation_cache()
         loaded = load_model(resolved.config.model_path)
-        check_model(resolved, loaded.config)  # refuse a model the envelope cannot serve, early
-        runner = ModelRunner(loaded, resolved)
+        runner = ModelRunner(loaded, resolved)  # check_model: refuses what the envelope can't serve
         sampler = Sampler(resolved, loaded.config.vocab_size)
         if not resolved.config.skip_warmup:
             t0 = time.perf_counter()
@@ -389,3 +388,16 @@ class Engine:
                 logger.exception("on_output callback of request %s raised", req.rid)
         if finished:
             tracked.handle._set(req.rid, out)
+
+
+def _enable_compilation_cache() -> None:
+    """Persist compiled step buckets across restarts (JAX_COMPILATION_CACHE_DIR wins if set)."""
+    import os
+
+    import jax
+
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
+        return
+    from jengine.models.tiny import tiny_cache_root
+
+    jax.config.update("jax_compilation_cache_dir", str(tiny_cache_root() / "jax"))
