@@ -92,7 +92,7 @@ def test_fp32_logits_and_greedy_match_hf(tmp_path_factory, family):
     assert _greedy(runner, prompt, 16) == hf
 
 
-@pytest.mark.parametrize("family", ["qwen3"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_bf16_logits_close_to_hf(tmp_path_factory, family):
     model, path = _save(tmp_path_factory, family, "bfloat16")
     runner = _runner(path)
