@@ -23,6 +23,7 @@ from jengine.engine.engine import Engine
 from jengine.engine.kv_manager import KVManager
 from jengine.engine.prefix_cache import PrefixCache
 from jengine.engine.io_struct import visible_text
+from jengine.engine.output_processor import RequestState
 from jengine.engine.request import Req, SamplingParams, derive_sample_seeds
 
 VOCAB = 32
@@ -125,14 +126,14 @@ class FakeDetokenizer:
         return ""
 
 
-def make_engine(runner=None, eos=(), **launch):
+def make_engine(runner=None, eos=(), detokenizer_factory=FakeDetokenizer, **launch):
     runner = runner or FakeRunner()
     cfg = LaunchConfig(**{"chunked_prefill_size": 8, "max_prefill_tokens": 24,
                           "max_running_requests": 8, **launch})
     return Engine.from_components(
         config=cfg, model_config=SimpleNamespace(vocab_size=VOCAB, input_vocab_size=VOCAB + 8),
         tokenizer=SimpleNamespace(encode=lambda s: [ord(c) % VOCAB for c in s]), eos_token_ids=eos,
-        runner=runner, sampler=FakeSampler(), detokenizer_factory=FakeDetokenizer)
+        runner=runner, sampler=FakeSampler(), detokenizer_factory=detokenizer_factory)
 
 
 def ref_hidden(tokens):
@@ -450,11 +451,79 @@ def test_concurrent_callers(engine_for_errors):
 
 
 def test_streamed_text_holds_back_a_possible_stop_string():
-    req = Req(rid="r", prompt_ids=[1], sampling=SamplingParams(stop=("xyz", "q")), seed=0)
+    req = RequestState.for_req(Req(rid="r", prompt_ids=[1], sampling=SamplingParams(stop=("xyz", "q")),
+                                   seed=0), FakeDetokenizer())
     req.text = "abcxy"
     assert visible_text(req) == "abc"  # "xy" may still become "xyz"
     req.text = "abcx!"
     assert visible_text(req) == "abcx!"
-    req.finish("length")
+    req.finish_reason = {"type": "length"}
     req.text = "abcxy"
     assert visible_text(req) == "abcxy"  # finished: nothing is held back
+
+
+# -- the output processor: detokenization and stop strings off the engine thread ------------------------
+class SlowRecordingDetokenizer(FakeDetokenizer):
+    """Records the thread of every call and takes `delay` seconds per token."""
+
+    threads: list[str] = []
+    delay = 0.0
+
+    def add(self, t):
+        SlowRecordingDetokenizer.threads.append(threading.current_thread().name)
+        time.sleep(self.delay)
+        return super().add(t)
+
+
+def test_detokenization_and_callbacks_run_off_the_engine_thread():
+    SlowRecordingDetokenizer.threads, SlowRecordingDetokenizer.delay = [], 0.05
+    prompt = [1, 2, 3]
+    letters = "".join(chr(ord("a") + t % 26) for t in reference_greedy(prompt, 8))
+    callback_threads, outs = [], []
+
+    def on_output(out):
+        callback_threads.append(threading.current_thread().name)
+        outs.append(out)
+
+    with make_engine(detokenizer_factory=SlowRecordingDetokenizer) as eng:
+        h = eng.submit(input_ids=prompt, sampling_params=greedy(8, stop="#"), stream=True, on_output=on_output)
+        final = h.result(timeout=30)
+        latency = eng.stats()["step_latency_seconds"]
+    assert final["text"] == letters and final["meta_info"]["finish_reason"] == {"type": "length"}
+    assert set(SlowRecordingDetokenizer.threads) == {"jengine-output"}
+    assert set(callback_threads) == {"jengine-output"}
+    # The 50 ms per token of detokenization is not part of any step.
+    assert len(latency) >= 8 and sorted(latency)[len(latency) // 2] < SlowRecordingDetokenizer.delay
+    # Streaming stays cumulative and in order; the final output comes exactly once, last.
+    assert [o["finished"] for o in outs] == [False] * 7 + [True]
+    assert [len(o["output_ids"]) for o in outs] == list(range(1, 9))
+    assert all(b["text"].startswith(a["text"]) for a, b in zip(outs, outs[1:]))
+
+
+def test_stop_string_truncates_the_tokens_the_engine_sampled_ahead():
+    SlowRecordingDetokenizer.threads, SlowRecordingDetokenizer.delay = [], 0.02
+    prompt = [1, 2, 3]
+    ref = reference_greedy(prompt, 40)
+    letters = "".join(chr(ord("a") + t % 26) for t in ref)
+    stop = letters[5:7]
+    at = letters.index(stop)  # the stop string is complete after token at + 1
+    params = dict(input_ids=prompt, return_logprob=True, top_logprobs_num=2)
+    with make_engine(detokenizer_factory=SlowRecordingDetokenizer) as eng:
+        full = eng.generate(**params, sampling_params=greedy(40))
+        before = eng.stats()["generation_tokens_total"]
+        out = eng.generate(**params, sampling_params=greedy(40, stop=stop))
+        sampled = eng.stats()["generation_tokens_total"] - before
+        trimmed_not = eng.generate(**params, sampling_params=greedy(40, stop=stop, no_stop_trim=True))
+        assert_pool_clean(eng)  # the engine finished it: pages freed (or held by the prefix cache)
+    assert sampled > at + 2  # the engine really ran ahead of the detokenizer ...
+    assert out["output_ids"] == ref[: at + 2]  # ... and the extra tokens are discarded
+    assert out["meta_info"]["completion_tokens"] == at + 2
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == letters[:at] and trimmed_not["text"] == letters[: at + 2]
+    meta, full_meta = out["meta_info"], full["meta_info"]
+    assert meta["output_token_logprobs"] == full_meta["output_token_logprobs"][: at + 2]
+    bits = lambda triples: np.array([lp for lp, _, _ in triples], np.float32).view(np.uint32)
+    assert np.array_equal(bits(meta["output_token_logprobs"]),
+                          bits(full_meta["output_token_logprobs"][: at + 2]))
+    assert meta["output_top_logprobs"] == full_meta["output_top_logprobs"][: at + 2]
+    assert len(full["output_ids"]) == 40  # negative control: without the stop string nothing is cut

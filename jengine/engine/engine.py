@@ -7,7 +7,10 @@ field and value, and nothing is queued); the engine loop runs in a background th
       sampling rows:   runner.compute_logits -> sampler.sample / token_logprobs / top_logprobs
       prompt rows:     runner.compute_logits in chunks of --input-logprob-chunk-tokens rows
                        -> sampler.token_logprobs (the ONE logprob function, spec "Logprobs")
-    -> commit each segment, append tokens, stop checks, outputs and callbacks
+    -> commit each segment, append token ids, token-level stop checks (eos, stop_token_ids, length)
+    -> one list of `StepOutput` events to the output processor's thread (output_processor.py), which
+       detokenizes, matches stop strings (a match comes back as a "finish" command), builds the
+       outputs and runs the callbacks, so none of that lengthens a step
 
 An exception inside a step fails the requests of that step (finish_reason abort, with the message)
 and the loop keeps serving the others.
@@ -21,25 +24,17 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from jengine.config import LaunchConfig, launch_config_from_kwargs
-from jengine.engine.io_struct import (RequestHandle, build_output, expand_request,
-                                      normalize_generate_args)
+from jengine.engine.io_struct import RequestHandle, expand_request, normalize_generate_args
 from jengine.engine.kv_manager import KVManager
 from jengine.engine.logits_processor import SegmentResult, compute_step_outputs
+from jengine.engine.output_processor import OutputProcessor, RequestState, StepOutput
 from jengine.engine.request import Req
 from jengine.engine.scheduler import Scheduler, SchedulerConfig, Segment
 
 logger = logging.getLogger("jengine.engine")
-
-
-@dataclass(eq=False)
-class _Tracked:
-    req: Req
-    handle: RequestHandle
-    on_output: Callable[[dict], None] | None
 
 
 class Engine:
@@ -112,12 +107,14 @@ class Engine:
         logger.info("KV pool: %d pages x %d tokens = %d tokens; context %d", self.kv.capacity_pages,
                     self.kv.page_size, self.kv.capacity_pages * self.kv.page_size, self.max_context)
 
-        self._tracked: dict[str, _Tracked] = {}  # in flight, by rid; guarded by _cv
+        self._tracked: dict[str, RequestHandle] = {}  # in flight, by rid; guarded by _cv
         self._inbox: list[tuple[str, Any]] = []
+        self._events: list[StepOutput] = []  # engine thread; handed over once per loop turn
         self._cv = threading.Condition()
         self._stopping = False
         self._counters = collections.Counter()
         self._step_latency: collections.deque[float] = collections.deque(maxlen=256)
+        self.output_processor = OutputProcessor(self._finish_from_processor, self._on_request_finished)
         self._thread = threading.Thread(target=self._loop, name="jengine-engine", daemon=True)
         self._thread.start()
 
@@ -142,8 +139,9 @@ class Engine:
     def submit(self, *, input_ids: Any, sampling_params: Any = None, return_logprob: bool = False,
                logprob_start_len: int = -1, top_logprobs_num: int = 0, rid: str | None = None,
                stream: bool = False, on_output: Callable[[dict], None] | None = None) -> RequestHandle:
-        """Non-blocking. on_output(out) runs in the engine thread: for every new token when stream
-        is True (cumulative output dicts), and always once with the final output (finished=True)."""
+        """Non-blocking. on_output(out) runs in the output processor's thread (never the engine's):
+        for every new token when stream is True (cumulative output dicts, in order), and always
+        exactly once with the final output (finished=True)."""
         reqs = self._validate(input_ids=input_ids, sampling_params=sampling_params,
                               return_logprob=return_logprob, logprob_start_len=logprob_start_len,
                               top_logprobs_num=top_logprobs_num, rid=rid)
@@ -153,7 +151,10 @@ class Engine:
         """Abort a request in flight (for n > 1, the base rid aborts every sample). Its pages are
         freed; its waiter gets a final output with finish_reason abort. False if none is in flight."""
         with self._cv:
-            rids = [r for r, t in self._tracked.items() if r == rid or t.handle.rid == rid]
+            rids = [r for r, h in self._tracked.items() if r == rid or h.rid == rid]
+        if self.output_processor.in_processor_thread():
+            for r in rids:  # from an on_output callback: cut the output where the caller saw it
+                self.output_processor.abort_from_callback(r)
         return any([bool(self._call("abort", r)) for r in rids])
 
     def flush_cache(self) -> bool:
@@ -207,6 +208,8 @@ class Engine:
         for _, req in pending:
             req.finish("abort", message="engine shut down")
             self._emit(req)
+        self._flush_events()
+        self.output_processor.shutdown()  # delivers every final output queued above
 
     def __enter__(self) -> "Engine":
         return self
@@ -241,18 +244,19 @@ class Engine:
                 handles.append(handle)
                 for req in reqs:
                     req.stream = stream
-                    req.detokenizer = self._detokenizer_factory(req.prompt_ids)
-                    self._tracked[req.rid] = _Tracked(req, handle, on_output)
+                    # Registered with the processor before the engine can see it, so the
+                    # processor knows the request before its first event arrives.
+                    self.output_processor.add_request(RequestState.for_req(
+                        req, self._detokenizer_factory(req.prompt_ids), handle, on_output))
+                    self._tracked[req.rid] = handle
                     self._inbox.append(("add", req))
             self._cv.notify_all()
         return handles
 
     def _call(self, op: str, arg: Any) -> Any:
         """Run a command inside the engine thread (the scheduler is single-threaded) and wait."""
+        # Callbacks run in the output processor's thread, so an abort() from one waits here safely.
         box: dict[str, Any] = {"done": threading.Event()}
-        if threading.current_thread() is self._thread:  # e.g. abort() from an on_output callback
-            self._handle(op, (arg, box))
-            return box.get("result")
         with self._cv:
             if self._stopping:
                 return False
@@ -271,7 +275,7 @@ class Engine:
                     self._cv.wait()
                 if self._stopping:
                     for op, payload in self._inbox:  # release anyone blocked in _call
-                        if op != "add":
+                        if op not in ("add", "finish"):  # the ones a caller waits on
                             payload[1]["done"].set()
                     return
                 inbox, self._inbox = self._inbox, []
@@ -282,10 +286,23 @@ class Engine:
                     logger.exception("engine command %r failed", op)
             if self.scheduler.has_work():
                 self._step()
+            self._flush_events()
+
+    def _flush_events(self) -> None:
+        events, self._events = self._events, []
+        self.output_processor.put(events)
 
     def _handle(self, op: str, payload: Any) -> None:
         if op == "add":
             self.scheduler.add_request(payload)
+            return
+        if op == "finish":
+            # The processor already delivered the final output (stop string, or abort from a
+            # callback) and discards tokens sampled since; free pages and cache KV as usual.
+            req = self.scheduler.find(payload)
+            if req is not None and not req.finished:
+                self.scheduler.finish(req)
+                req.finish("stop", message="finished by the output processor")
             return
         arg, box = payload
         try:
@@ -327,7 +344,7 @@ class Engine:
             return
         for seg in step.segments:
             if seg.req.finished:
-                continue  # aborted while this step ran (an on_output callback called abort)
+                continue  # defensive: commands (abort, finish) only run between steps
             try:
                 self._process(seg, results[id(seg)])
             except Exception as exc:
@@ -339,23 +356,17 @@ class Engine:
     def _process(self, seg: Segment, res: SegmentResult) -> None:
         req = seg.req
         self.scheduler.commit(seg)
-        req.input_token_logprobs.extend(res.prompt_logprobs)
-        n_top = req.top_logprobs_num
-        req.input_top_logprobs.extend((v[:n_top], t[:n_top]) for v, t in res.prompt_tops)
         if seg.sample:
             with self._cv:
                 self._counters["generation_tokens"] += 1
-            top = res.token_top
-            req.append_token(res.token, res.token_logprob,
-                             None if top is None else (top[0][:n_top], top[1][:n_top]),
-                             eos_token_ids=self._eos_ids, max_context=self.max_context)
+            req.append_token(res.token, eos_token_ids=self._eos_ids, max_context=self.max_context)
         elif req.num_computed == req.num_tokens and req.sampling.max_new_tokens == 0:
             req.finish("length")  # teacher forcing / prompt scoring: nothing to generate
         if req.finished:
             self.scheduler.finish(req)
-            self._emit(req)
-        elif req.stream and seg.sample:
-            self._emit(req)
+        ev = StepOutput.for_segment(req, res, sampled=seg.sample)
+        if ev.new_token_ids or ev.finish_reason or ev.prompt_logprobs:
+            self._events.append(ev)
 
     # ---------------------------------------------------------------------------------------------
     # Outputs
@@ -371,23 +382,22 @@ class Engine:
         self._emit(req)
 
     def _emit(self, req: Req) -> None:
-        out = build_output(req)
-        finished = out["finished"]  # a callback may finish req (abort) while we are in here
+        """Report a request finished outside a sampled step (abort, failure, scheduler refusal)."""
+        self._events.append(StepOutput(req.rid, finish_reason=req.finish_reason,
+                                       cached_tokens=req.cached_tokens))
+
+    def _finish_from_processor(self, rid: str) -> None:
+        """(Output processor's thread.) Queued, not waited for: it must never block on a step."""
         with self._cv:
-            tracked = self._tracked.get(req.rid)
-            if finished:
-                self._tracked.pop(req.rid, None)
-                self._counters["requests"] += 1
-                self._counters["prompt_tokens"] += req.prompt_len
-        if tracked is None:
-            return
-        if tracked.on_output is not None:
-            try:
-                tracked.on_output(out)
-            except Exception:
-                logger.exception("on_output callback of request %s raised", req.rid)
-        if finished:
-            tracked.handle._set(req.rid, out)
+            if not self._stopping:
+                self._inbox.append(("finish", rid))
+                self._cv.notify_all()
+
+    def _on_request_finished(self, state: RequestState) -> None:  # output processor's thread
+        with self._cv:
+            self._tracked.pop(state.rid, None)
+            self._counters["requests"] += 1
+            self._counters["prompt_tokens"] += state.prompt_len
 
 
 def _enable_compilation_cache() -> None:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from jengine.engine.request import Req, SamplingParams, default_seed, derive_sample_seeds, is_int
+
+if TYPE_CHECKING:  # output_processor imports this module
+    from jengine.engine.output_processor import RequestState
 
 
 def _pairs(values: list[float], token_ids: list[int]) -> list[tuple[float, int, None]]:
@@ -24,7 +27,7 @@ def _top_lists(tops: list[tuple[np.ndarray, np.ndarray]]) -> list[list[tuple[flo
     return [_pairs(list(vals), list(ids)) for vals, ids in tops]
 
 
-def visible_text(req: Req) -> str:
+def visible_text(req: "RequestState") -> str:
     """Text safe to show before the request finishes: a tail that could still grow into a stop
     string is held back, so a streamed prefix is never retracted by a later trim."""
     if req.finished or not req.sampling.stop:
@@ -38,8 +41,9 @@ def visible_text(req: Req) -> str:
     return req.text[: len(req.text) - hold]
 
 
-def build_output(req: Req) -> dict[str, Any]:
-    """The SGLang-shaped output dict (cumulative, also for streamed partial outputs)."""
+def build_output(req: "RequestState") -> dict[str, Any]:
+    """The SGLang-shaped output dict (cumulative, also for streamed partial outputs). Built in the
+    output processor's thread, never inside an engine step."""
     meta: dict[str, Any] = {
         "id": req.rid,
         "finish_reason": req.finish_reason,

@@ -1,9 +1,10 @@
 """Requests as the engine sees them: validated sampling parameters and the per-request state `Req`.
 
 Everything a request needs to be suspended and resumed lives here on the host: its token list, its
-KV frontier (`num_computed`), its seed, and its logprob bookkeeping. The only device-resident state
-of a request is its KV pages, which is why a retraction image is just those pages' bytes plus this
-object (docs/engine.md, "Retraction image").
+KV frontier (`num_computed`) and its seed. The only device-resident state of a request is its KV
+pages, which is why a retraction image is just those pages' bytes plus this object (docs/engine.md,
+"Retraction image"). What is only reported (text, logprobs) lives in the output processor's
+`RequestState` (output_processor.py), off the engine thread.
 """
 
 from __future__ import annotations
@@ -164,14 +165,9 @@ class Req:
     image: RetractionImage | None = None
     retractions: int = 0
 
-    # Output bookkeeping.
-    text: str = ""
+    # Set by the engine thread when a token-level stop condition (or an abort) ends the request.
+    # Text, stop strings and logprob lists live in the output processor's RequestState.
     finish_reason: dict[str, Any] | None = None
-    input_token_logprobs: list[float] = field(default_factory=list)  # targets s+1..L-1, in order
-    input_top_logprobs: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
-    output_token_logprobs: list[float] = field(default_factory=list)
-    output_top_logprobs: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
-    detokenizer: Any = None  # IncrementalDetokenizer over the output ids
 
     @property
     def prompt_len(self) -> int:
@@ -208,38 +204,16 @@ class Req:
             return range(0)
         return range(max(start, self.logprob_start_len), min(end, self.prompt_len - 1))
 
-    def append_token(self, token: int, logprob: float | None, top: tuple | None, *,
-                     eos_token_ids: frozenset[int], max_context: int) -> None:
-        """Record a sampled token, then apply the stop conditions in SGLang's order: eos (unless
-        ignore_eos), stop_token_ids, stop strings on the incremental text, max_new_tokens, context."""
+    def append_token(self, token: int, *, eos_token_ids: frozenset[int], max_context: int) -> None:
+        """Record a sampled token, then apply the token-level stop conditions in SGLang's order:
+        eos (unless ignore_eos), stop_token_ids, max_new_tokens, context length. Stop strings need
+        the text, so the output processor checks them off the engine thread (output_processor.py)."""
         self.output_ids.append(token)
-        if self.return_logprob:
-            self.output_token_logprobs.append(logprob)
-            if top is not None:
-                self.output_top_logprobs.append(top)
         sp = self.sampling
         if (not sp.ignore_eos and token in eos_token_ids) or token in sp.stop_token_ids:
             self.finish("stop", matched=token)  # the stop token's text is not part of `text`
-        else:
-            delta = self.detokenizer.add(token)
-            self.text += delta
-            if sp.stop:
-                self.check_stop_strings(len(delta))
-        if not self.finished and (len(self.output_ids) >= sp.max_new_tokens or self.num_tokens >= max_context):
+        elif len(self.output_ids) >= sp.max_new_tokens or self.num_tokens >= max_context:
             self.finish("length")
-        if self.finished and not isinstance(self.finish_reason.get("matched"), str):
-            self.text += self.detokenizer.flush()  # text held back for an incomplete character
-
-    def check_stop_strings(self, delta_len: int) -> None:
-        """After `delta_len` new characters: finish at the first stop string, trimming it (and
-        everything after it) from the text unless no_stop_trim."""
-        stops = self.sampling.stop
-        window_start = max(0, len(self.text) - delta_len - max(len(s) for s in stops) + 1)
-        hits = [(at, s) for s in stops if (at := self.text.find(s, window_start)) >= 0]
-        if hits:
-            at, stop = min(hits)
-            self.text = self.text[: at + len(stop)] if self.sampling.no_stop_trim else self.text[:at]
-            self.finish("stop", matched=stop)
 
     def finish(self, reason: str, matched: Any = None, message: str | None = None) -> None:
         info: dict[str, Any] = {"type": reason}

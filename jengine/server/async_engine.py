@@ -1,7 +1,7 @@
 """The engine as the asyncio event loop sees it.
 
 The Engine runs its scheduler loop in its own thread and reports each request's outputs through an
-`on_output` callback called *from that thread*. `AsyncEngine` hands every such output to the event
+`on_output` callback called from the engine's output-processor thread. `AsyncEngine` hands every such output to the event
 loop with `loop.call_soon_threadsafe`, into a per-request `asyncio.Queue` that the HTTP handler
 reads. Tokenization, chat templating and engine calls that may wait on the engine's lock run in a
 small thread pool, so neither the event loop nor the engine step waits on them.
@@ -154,7 +154,7 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         handle = RequestStream(self, rid, queue)
 
-        def on_output(out: dict) -> None:  # engine thread
+        def on_output(out: dict) -> None:  # the engine's output-processor thread
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, out)
             except RuntimeError:  # the loop closed under us during shutdown; nobody is listening
