@@ -75,14 +75,19 @@ def _greedy(runner, prompt, steps):
     return ids[len(prompt):]
 
 
+def _both_logits(tmp_path_factory, family, dtype, seed):
+    """(HF model, jengine runner, prompt ids, jengine logits, HF logits) for one random prompt."""
+    model, path = _save(tmp_path_factory, family, dtype)
+    runner = _runner(path)
+    ids = np.random.default_rng(seed).integers(0, 512, size=24)
+    with torch.no_grad():
+        ref = model(torch.tensor(ids)[None]).logits[0].float().numpy()
+    return model, runner, ids, _prefill_logits(runner, ids), ref
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_fp32_logits_and_greedy_match_hf(tmp_path_factory, family):
-    model, path = _save(tmp_path_factory, family, "float32")
-    runner = _runner(path)
-    ids = np.random.default_rng(1).integers(0, 512, size=24)
-    ours = _prefill_logits(runner, ids)
-    with torch.no_grad():
-        ref = model(torch.tensor(ids)[None]).logits[0].numpy()
+    model, runner, ids, ours, ref = _both_logits(tmp_path_factory, family, "float32", seed=1)
     np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
 
     prompt = ids[:8]
@@ -94,12 +99,7 @@ def test_fp32_logits_and_greedy_match_hf(tmp_path_factory, family):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_bf16_logits_close_to_hf(tmp_path_factory, family):
-    model, path = _save(tmp_path_factory, family, "bfloat16")
-    runner = _runner(path)
-    ids = np.random.default_rng(2).integers(0, 512, size=24)
-    ours = _prefill_logits(runner, ids)
-    with torch.no_grad():
-        ref = model(torch.tensor(ids)[None]).logits[0].float().numpy()
+    _, _, _, ours, ref = _both_logits(tmp_path_factory, family, "bfloat16", seed=2)
     assert np.abs(ours - ref).max() < 0.05
     top2 = np.sort(ref, axis=-1)[:, -2:]
     clear = (top2[:, 1] - top2[:, 0]) > 0.1
