@@ -12,7 +12,6 @@ f32 bias added to the accumulator, one rounding to ``out_dtype``.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels._twin import torch_twin
