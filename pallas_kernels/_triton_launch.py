@@ -40,10 +40,6 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 _NAMES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
 
 

@@ -18,11 +18,16 @@ import jax.numpy as jnp
 from jax import lax
 
 
+def next_pow2(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum): tree widths, Triton blocks, shape buckets."""
+    return 1 << (max(n, minimum) - 1).bit_length()
+
+
 def tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:
     """Pairwise halving-add tree over ``axis`` (zero-padded to a power of two)."""
     x = jnp.moveaxis(x, axis, -1)
     n = x.shape[-1]
-    width = 1 << max(n - 1, 0).bit_length()
+    width = next_pow2(n)
     if width != n:
         pad = [(0, 0)] * (x.ndim - 1) + [(0, width - n)]
         x = jnp.pad(x, pad)

@@ -21,8 +21,8 @@ import jax
 import numpy as np
 
 from pallas_kernels._triton_launch import (INVARIANT, contiguous, dtype_name, jax_launch, kernels,
-                                           next_pow2, require_cuda_tensors, torch_launch,
-                                           triton_available)
+                                           require_cuda_tensors, torch_launch, triton_available)
+from pallas_kernels.fixed_order import next_pow2
 from pallas_kernels.registry import Priority, register
 
 FORMATS = {"bf16", "f32"}

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from jengine.engine.batch import NULL_PAGE, StepBatch
 from jengine.models.dense import DenseDecoder, ModelKernels
 from jengine.numerics import check_model
+from pallas_kernels.fixed_order import next_pow2
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +31,6 @@ MIN_TOKEN_BUCKET = 16
 MIN_LOGIT_BUCKET = 8
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
-
-
-def _next_pow2(n: int, minimum: int = 1) -> int:
-    n = max(n, minimum)
-    return 1 << (n - 1).bit_length()
 
 
 def model_dtype(launch_dtype: str, checkpoint_dtype: str | None):
@@ -120,9 +116,9 @@ class ModelRunner:
         t = batch.num_tokens
         if t == 0:
             raise ValueError("empty step batch")
-        t_pad = _next_pow2(t, MIN_TOKEN_BUCKET)
+        t_pad = next_pow2(t, MIN_TOKEN_BUCKET)
         p = batch.block_tables.shape[1]
-        p_pad = min(_next_pow2(max(p, 1)), _next_pow2(self.max_pages_per_request))
+        p_pad = min(next_pow2(max(p, 1)), next_pow2(self.max_pages_per_request))
         p_pad = max(p_pad, p)
         # Requests never outnumber tokens, so the block table shares the token bucket: row t_pad-1
         # is then always a padding row of null pages, and padding tokens point at it.
@@ -142,7 +138,7 @@ class ModelRunner:
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """[n, H] -> [n, V] float32, computed in a padded bucket (rows are independent)."""
         n = hidden.shape[0]
-        n_pad = _next_pow2(n, MIN_LOGIT_BUCKET)
+        n_pad = next_pow2(n, MIN_LOGIT_BUCKET)
         if n_pad != n:
             hidden = jnp.pad(hidden, ((0, n_pad - n), (0, 0)))
         return self._logits(self._state, hidden)[:n]
@@ -166,11 +162,11 @@ class ModelRunner:
 
     # -- startup ----------------------------------------------------------------------------------
     def token_buckets(self) -> list[int]:
-        top = _next_pow2(self.max_step_tokens, MIN_TOKEN_BUCKET)
+        top = next_pow2(self.max_step_tokens, MIN_TOKEN_BUCKET)
         return [1 << i for i in range(MIN_TOKEN_BUCKET.bit_length() - 1, top.bit_length())]
 
     def page_buckets(self) -> list[int]:
-        top = _next_pow2(self.max_pages_per_request)
+        top = next_pow2(self.max_pages_per_request)
         return [1 << i for i in range(top.bit_length())]
 
     def warmup(self) -> float:

@@ -22,6 +22,7 @@ import numpy as np
 from jengine.engine.batch import SamplingRows
 from pallas_kernels import sampling as _sampling  # noqa: F401  (registers the sampling leaves)
 from pallas_kernels.logprobs import gather_token_logprobs, logprob_block_width, top_logprobs
+from pallas_kernels.fixed_order import next_pow2
 from pallas_kernels.registry import plan
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 def row_bucket(rows: int) -> int:
     """Smallest power of two >= rows (>= 1): the padded row count a call compiles for."""
-    return 1 << max(0, int(rows) - 1).bit_length()
+    return next_pow2(int(rows))
 
 
 class Sampler:
