@@ -252,6 +252,13 @@ def copy_dir(src: Path, dst: Path) -> Path:
     return dst
 
 
+def patch_config(directory: Path, **changes) -> None:
+    """Rewrite the checkpoint's config.json with ``changes`` applied."""
+    config = json.loads((directory / "config.json").read_text())
+    config.update(changes)
+    (directory / "config.json").write_text(json.dumps(config))
+
+
 def test_error_missing_directory(tmp_path):
     missing = tmp_path / "nope"
     with pytest.raises(FileNotFoundError, match=f"model directory not found: '{missing}'"):
@@ -270,9 +277,7 @@ def test_error_missing_config(tmp_path, qwen2_fp32):
 
 def test_error_unknown_architecture(tmp_path, qwen2_fp32):
     d = copy_dir(qwen2_fp32[1], tmp_path / "m")
-    config = json.loads((d / "config.json").read_text())
-    config["architectures"] = ["GPT2LMHeadModel"]
-    (d / "config.json").write_text(json.dumps(config))
+    patch_config(d, architectures=["GPT2LMHeadModel"])
     with pytest.raises(ValueError, match="unsupported model architecture 'GPT2LMHeadModel'; "
                                          "supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
         load_model(str(d), progress=False)
@@ -314,9 +319,7 @@ def test_error_missing_tokenizer(tmp_path, qwen2_fp32):
 
 def test_error_weight_shape_disagrees_with_vocab(tmp_path, qwen2_fp32):
     d = copy_dir(qwen2_fp32[1], tmp_path / "m")
-    config = json.loads((d / "config.json").read_text())
-    config["vocab_size"] = 999
-    (d / "config.json").write_text(json.dumps(config))
+    patch_config(d, vocab_size=999)
     with pytest.raises(ValueError, match=r"model.embed_tokens.weight .* shape \(1000, 64\), but the "
                                          "config gives input_vocab_size=999"):
         load_model(str(d), progress=False)
@@ -327,9 +330,7 @@ def test_split_vocab_checkpoint_loads(tmp_path, qwen2_fp32):
     from safetensors.numpy import save_file
 
     d = copy_dir(qwen2_fp32[1], tmp_path / "m")
-    config = json.loads((d / "config.json").read_text())
-    config.update(output_vocab_size=600, tie_word_embeddings=False)
-    (d / "config.json").write_text(json.dumps(config))
+    patch_config(d, output_vocab_size=600, tie_word_embeddings=False)
     weights = load_safetensors_dir(d, progress=False)
     weights["lm_head.weight"] = weights["model.embed_tokens.weight"][:600].copy()
     save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
@@ -343,10 +344,8 @@ def test_never_runs_code_from_the_model_dir(tmp_path, qwen2_fp32):
     marker = tmp_path / "ran"
     for name in ("modeling_evil.py", "configuration_evil.py", "tokenization_evil.py", "__init__.py"):
         (d / name).write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
-    config = json.loads((d / "config.json").read_text())
-    config["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig",
-                          "AutoModelForCausalLM": "modeling_evil.EvilModel"}
-    (d / "config.json").write_text(json.dumps(config))
+    patch_config(d, auto_map={"AutoConfig": "configuration_evil.EvilConfig",
+                            "AutoModelForCausalLM": "modeling_evil.EvilModel"})
     load_model(str(d), progress=False)
     assert not marker.exists()
 
