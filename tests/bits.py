@@ -4,11 +4,9 @@ import numpy as np
 
 
 def float_bits(x) -> np.ndarray:
-    """The IEEE bit patterns of a float array (bf16 widened exactly to f32 first)."""
+    """The IEEE bit patterns of a float array (16-bit floats widened exactly to f32 first)."""
     a = np.asarray(x)
-    if a.dtype.itemsize == 2 and a.dtype.kind == "V" or str(a.dtype) == "bfloat16":
-        a = a.astype(np.float32)
-    if a.dtype == np.float16:
+    if a.dtype.itemsize == 2:  # bf16 and f16 widen to f32 exactly
         a = a.astype(np.float32)
     width = {4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
     return np.ascontiguousarray(a).view(width)
