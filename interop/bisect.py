@@ -99,7 +99,7 @@ def engine_states(runner, ids) -> tuple[dict[str, np.ndarray], bool]:
     ps = runner.page_size
     pages = -(-t // ps)
     cfg = runner.model_config
-    shape = (cfg.num_hidden_layers, pages + 1, ps, cfg.num_key_value_heads, cfg.head_dim)
+    shape = (pages + 1, ps, cfg.num_key_value_heads, cfg.head_dim)  # one layer's KV pool
     inputs = (ids, np.arange(t, dtype=np.int32), np.zeros(t, np.int32),
               np.arange(1, pages + 1, dtype=np.int32)[None])  # ids, positions, token_req, tables
 
@@ -113,10 +113,12 @@ def engine_states(runner, ids) -> tuple[dict[str, np.ndarray], bool]:
         hidden, _, _ = model(*inputs, kc, vc)
         return hidden, _states_from_log(log, _param_names(model), cfg.num_hidden_layers, t)
 
-    zeros = lambda: jnp.zeros(shape, runner.dtype)  # noqa: E731  (a private KV pool, never the engine's)
-    hidden, states = jax.jit(run)(runner._state, zeros(), zeros(), *inputs)
+    def zeros():  # a private KV pool (one array per layer, as the runner's), never the engine's
+        return tuple(jnp.zeros(shape, runner.dtype) for _ in range(cfg.num_hidden_layers))
+
+    hidden, states = jax.jit(run)(runner.state, zeros(), zeros(), *inputs)
     states = {k: np.asarray(v) for k, v in states.items()}
-    real, _, _ = runner._forward(runner._state, zeros(), zeros(), *inputs)
+    real, _, _ = runner._forward(runner._params, zeros(), zeros(), *inputs)
     agrees = bool((_bits(np.asarray(real)) == _bits(np.asarray(hidden))).all())
     return states, agrees
 

@@ -65,6 +65,18 @@ class FakeRunner:
             self.null_reads += 1
         return page, pos % self.page_size
 
+    def forward_padded(self, batch):
+        """Like the real runner: one entry per step row (only hidden_rows are computed here)."""
+        out = np.zeros(len(batch.input_ids), np.uint64)
+        out[batch.hidden_rows] = self.forward(batch)
+        return out
+
+    def logits_at(self, hidden, rows):
+        """Like the real runner: the rows' logits, then padding rows up to a power of two >= 8."""
+        logits = self.compute_logits(hidden[np.asarray(rows, np.int64)])
+        pad = max(8, 1 << max(len(rows) - 1, 0).bit_length()) - len(rows)
+        return np.concatenate([logits, np.full((pad, VOCAB), np.nan)])
+
     def forward(self, batch):
         time.sleep(self.step_delay)
         if self.poison_token is not None and self.poison_token in batch.input_ids:
@@ -98,7 +110,7 @@ class FakeRunner:
 class FakeSampler:
     def sample(self, logits, rows):
         out = []
-        for i, row in enumerate(logits):
+        for i, row in enumerate(logits[:len(rows.temperature)]):  # rows past S are padding
             if rows.temperature[i] == 0:
                 out.append(int(np.argmax(row)))
             else:  # keyed by (seed, position) only, like the real per-request stream
@@ -109,8 +121,8 @@ class FakeSampler:
     def token_logprobs(self, logits, ids):
         return log_softmax(np.asarray(logits))[np.arange(len(ids)), ids]
 
-    def top_logprobs(self, logits, k):
-        lp = log_softmax(np.asarray(logits))
+    def top_logprobs(self, logits, k, rows=None):
+        lp = log_softmax(np.asarray(logits)[:rows])
         ids = np.argsort(-lp, axis=-1, kind="stable")[:, :k]
         return np.take_along_axis(lp, ids, -1), ids.astype(np.int32)
 

@@ -4,8 +4,9 @@ The model never sees requests, only rows. Every value computed for a row depends
 token, position and its request's KV pages, never on which other rows share the step: that is the
 property rl-bitwise's batch invariance is built on.
 
-Page 0 of the KV pool is the *null page*: padding rows write their K/V there and padded block-table
-entries point there. No real request ever owns page 0, so nothing real is ever read from it.
+Page 0 of the KV pool is the *null page*: padding rows and padded block-table entries point there.
+No real request ever owns page 0, so a row that maps to it is a padding row: its K/V write is
+dropped (jengine/models/dense.py) and nothing real is ever read from it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """From a step's hidden rows to tokens and logprobs (SGLang's LogitsProcessor + sampler call).
 
-Sampling rows: one `runner.compute_logits` over all of them, then `sampler.sample` keyed by each
+Sampling rows: one `runner.logits_at` over all of them, then `sampler.sample` keyed by each
 request's (seed, absolute position of the new token), and the sampled token's logprob through
 `sampler.token_logprobs`. Prompt rows: logits in chunks of --input-logprob-chunk-tokens rows (so the
 [rows, vocab] tensor stays bounded) through the SAME `sampler.token_logprobs` (spec, "Logprobs: one
@@ -30,11 +30,14 @@ class SegmentResult:
 def compute_step_outputs(runner: Any, sampler: Any, step: ScheduledStep,
                          input_logprob_chunk_tokens: int) -> dict[int, SegmentResult]:
     results = {id(seg): SegmentResult() for seg in step.segments}
-    hidden = runner.forward(step.batch)
+    # The step's whole padded bucket of hidden states; `logits_at` gathers rows inside its jitted
+    # program, so no small program is compiled per count of sampled or scored rows.
+    hidden = runner.forward_padded(step.batch)
+    step_rows = step.batch.hidden_rows
 
     sampled = [seg for seg in step.segments if seg.sample]
     if sampled:
-        logits = runner.compute_logits(hidden[np.array([s.sample_hidden for s in sampled])])
+        logits = runner.logits_at(hidden, step_rows[[s.sample_hidden for s in sampled]])
         params = [s.req.sampling for s in sampled]
         rows = SamplingRows(
             temperature=np.array([p.temperature for p in params], np.float32),
@@ -49,7 +52,7 @@ def compute_step_outputs(runner: Any, sampler: Any, step: ScheduledStep,
         want = [s.req.return_logprob for s in sampled]
         lps = np.asarray(sampler.token_logprobs(logits, tokens)) if any(want) else None
         k = max((s.req.top_logprobs_num for s in sampled if s.req.return_logprob), default=0)
-        tops = [np.asarray(a) for a in sampler.top_logprobs(logits, k)] if k else None
+        tops = [np.asarray(a) for a in sampler.top_logprobs(logits, k, len(sampled))] if k else None
         for i, seg in enumerate(sampled):
             res = results[id(seg)]
             res.token = int(tokens[i])
@@ -64,10 +67,10 @@ def compute_step_outputs(runner: Any, sampler: Any, step: ScheduledStep,
     chunk = input_logprob_chunk_tokens
     for i in range(0, len(scored), chunk):
         part = scored[i: i + chunk]
-        logits = runner.compute_logits(hidden[np.array([h for _, h, _ in part])])
+        logits = runner.logits_at(hidden, step_rows[[h for _, h, _ in part]])
         lps = np.asarray(sampler.token_logprobs(logits, np.array([t for _, _, t in part], np.int32)))
         k = max(seg.req.top_logprobs_num for seg, _, _ in part)
-        tops = [np.asarray(a) for a in sampler.top_logprobs(logits, k)] if k else None
+        tops = [np.asarray(a) for a in sampler.top_logprobs(logits, k, len(part))] if k else None
         for j, (seg, _, _) in enumerate(part):
             res = results[id(seg)]
             res.prompt_logprobs.append(lps[j])

@@ -3,8 +3,8 @@
 The scheduler hands over a `StepBatch` of exact sizes; the runner pads it to a (tokens, pages)
 bucket so the number of compiled programs stays small, runs the jitted forward with the KV pool
 donated (updated in place), and returns the hidden states of the rows the caller asked for.
-Padding rows write into the null page and are never read by real rows, so padding cannot change a
-real row's bits.
+Padding rows point at the null page, their K/V writes are dropped, and real rows never read it, so
+padding cannot change a real row's bits.
 """
 
 from __future__ import annotations
@@ -52,7 +52,11 @@ class ModelRunner:
         self.kernels = ModelKernels.plan_for(dtype=self.dtype, hardware=resolved.hardware,
                                              features=resolved.required_features)
         logger.info("kernel plans: %s", self.kernels.describe())
-        self._graphdef, self._state = nnx.split(self._build_model(loaded.weights))
+        self._graphdef, state = nnx.split(self._build_model(loaded.weights))
+        # The jitted programs take the parameters as one flat tuple: jit flattens a tuple of arrays
+        # in C++, an nnx.State (hundreds of leaves) through Python callbacks -- host time each step.
+        self._params, self._state_def = jax.tree.flatten(state)
+        self._params = tuple(self._params)
 
         self.page_size = launch.page_size
         self.max_context = min(launch.context_length or cfg.max_position_embeddings,
@@ -60,14 +64,17 @@ class ModelRunner:
         self.max_pages_per_request = -(-self.max_context // self.page_size)
         total_tokens = launch.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS
         self.num_pages = total_tokens // self.page_size + 1  # + the null page
-        kv_shape = (cfg.num_hidden_layers, self.num_pages, self.page_size,
-                    cfg.num_key_value_heads, cfg.head_dim)
-        self.k_cache = jnp.zeros(kv_shape, self.dtype)
-        self.v_cache = jnp.zeros(kv_shape, self.dtype)
+        # One array per layer, not one [L, ...] array: each layer's scatter then updates its own
+        # donated buffer in place. With one stacked array XLA rebuilt (concatenated) the whole pool
+        # every step -- seen in the compiled HLO, and ~2x the pool's bytes of traffic per step.
+        layer_shape = (self.num_pages, self.page_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.k_cache = tuple(jnp.zeros(layer_shape, self.dtype) for _ in range(cfg.num_hidden_layers))
+        self.v_cache = tuple(jnp.zeros(layer_shape, self.dtype) for _ in range(cfg.num_hidden_layers))
         self.max_step_tokens = launch.max_prefill_tokens + launch.max_running_requests
 
         self._forward = jax.jit(self._forward_impl, donate_argnums=(1, 2))
         self._logits = jax.jit(self._logits_impl)
+        self._logits_rows = jax.jit(self._logits_rows_impl)
         self._copy = jax.jit(self._copy_impl, donate_argnums=(0, 1))
         self._write = jax.jit(self._write_impl, donate_argnums=(0, 1))
 
@@ -85,34 +92,55 @@ class ModelRunner:
         caller flushes cached prefixes, which were computed with the old weights.
         """
         graphdef, state = nnx.split(self._build_model(weights))
-        if graphdef != self._graphdef:
+        params, state_def = jax.tree.flatten(state)
+        if graphdef != self._graphdef or state_def != self._state_def:
             raise ValueError("the new weights build a different model structure than the runner's "
                              "(layer count, biases or tied head differ)")
-        for i, (a, b) in enumerate(zip(jax.tree.leaves(self._state), jax.tree.leaves(state))):
+        for i, (a, b) in enumerate(zip(self._params, params)):
             if a.shape != b.shape or a.dtype != b.dtype:
                 raise ValueError(f"parameter {i}: new {b.dtype}{list(b.shape)} does not match the "
                                  f"runner's {a.dtype}{list(a.shape)}")
-        self._state = state
+        self._params = tuple(params)
+
+    @property
+    def state(self):
+        """The model's parameters as an nnx.State (for tools that rebuild the model, e.g. bisect)."""
+        return jax.tree.unflatten(self._state_def, self._params)
+
+    def _model(self, params) -> DenseDecoder:
+        return nnx.merge(self._graphdef, jax.tree.unflatten(self._state_def, params))
 
     # -- jitted bodies ----------------------------------------------------------------------------
-    def _forward_impl(self, state, k_cache, v_cache, input_ids, positions, token_req, block_tables):
-        model = nnx.merge(self._graphdef, state)
-        return model(input_ids, positions, token_req, block_tables, k_cache, v_cache)
+    def _forward_impl(self, params, k_cache, v_cache, input_ids, positions, token_req,
+                      block_tables):
+        return self._model(params)(input_ids, positions, token_req, block_tables, k_cache, v_cache)
 
-    def _logits_impl(self, state, hidden):
-        return nnx.merge(self._graphdef, state).compute_logits(hidden)
+    def _logits_impl(self, params, hidden):
+        return self._model(params).compute_logits(hidden)
+
+    def _logits_rows_impl(self, params, hidden, rows):
+        return self._model(params).compute_logits(hidden[rows])
 
     @staticmethod
     def _copy_impl(k_cache, v_cache, src, dst):
-        return k_cache.at[:, dst].set(k_cache[:, src]), v_cache.at[:, dst].set(v_cache[:, src])
+        return (tuple(k.at[dst].set(k[src]) for k in k_cache),
+                tuple(v.at[dst].set(v[src]) for v in v_cache))
 
     @staticmethod
     def _write_impl(k_cache, v_cache, pages, k_data, v_data):
-        return k_cache.at[:, pages].set(k_data), v_cache.at[:, pages].set(v_data)
+        return (tuple(k.at[pages].set(d) for k, d in zip(k_cache, k_data)),
+                tuple(v.at[pages].set(d) for v, d in zip(v_cache, v_data)))
 
     # -- the step ---------------------------------------------------------------------------------
     def forward(self, batch: StepBatch) -> jax.Array:
         """Run one step; returns final-norm hidden states [S, H] for ``batch.hidden_rows``."""
+        return jnp.take(self.forward_padded(batch), jnp.asarray(batch.hidden_rows, jnp.int32),
+                        axis=0)
+
+    def forward_padded(self, batch: StepBatch) -> jax.Array:
+        """Run one step; returns the final-norm hidden states of every row of the step's token
+        bucket [T_pad, H] (rows past batch.num_tokens are padding). The engine's path: pair it
+        with `logits_at`, so no program is compiled per number of returned rows."""
         t = batch.num_tokens
         if t == 0:
             raise ValueError("empty step batch")
@@ -132,8 +160,8 @@ class ModelRunner:
         token_req[:t] = batch.token_req
         block_tables[:r, :p] = batch.block_tables
         hidden, self.k_cache, self.v_cache = self._forward(
-            self._state, self.k_cache, self.v_cache, input_ids, positions, token_req, block_tables)
-        return jnp.take(hidden, jnp.asarray(batch.hidden_rows, jnp.int32), axis=0)
+            self._params, self.k_cache, self.v_cache, input_ids, positions, token_req, block_tables)
+        return hidden
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """[n, H] -> [n, V] float32, computed in a padded bucket (rows are independent)."""
@@ -141,7 +169,16 @@ class ModelRunner:
         n_pad = next_pow2(n, MIN_LOGIT_BUCKET)
         if n_pad != n:
             hidden = jnp.pad(hidden, ((0, n_pad - n), (0, 0)))
-        return self._logits(self._state, hidden)[:n]
+        return self._logits(self._params, hidden)[:n]
+
+    def logits_at(self, hidden_padded: jax.Array, rows) -> jax.Array:
+        """Logits [n_pad, V] float32 of ``hidden_padded[rows]`` (n = len(rows) real rows first, then
+        padding rows up to the power-of-two bucket n_pad >= MIN_LOGIT_BUCKET). One jitted program
+        per (T bucket, n bucket): the sampler takes these padded logits with n as its row count."""
+        rows = np.asarray(rows, np.int32)
+        idx = np.zeros(next_pow2(len(rows), MIN_LOGIT_BUCKET), np.int32)
+        idx[: len(rows)] = rows
+        return self._logits_rows(self._params, hidden_padded, idx)
 
     # -- page images (prefix-cache copy-on-write, retraction) --------------------------------------
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
@@ -151,8 +188,9 @@ class ModelRunner:
 
     def read_pages(self, pages: list[int]) -> np.ndarray:
         """The exact bytes of those pages, K then V: [2, L, n, page_size, Hkv, D]."""
-        idx = np.asarray(pages, np.int32)
-        return np.stack([np.asarray(self.k_cache[:, idx]), np.asarray(self.v_cache[:, idx])])
+        idx = jnp.asarray(pages, jnp.int32)
+        return np.stack([np.stack([np.asarray(c[idx]) for c in cache])
+                         for cache in (self.k_cache, self.v_cache)])
 
     def write_pages(self, pages: list[int], data: np.ndarray) -> None:
         if len(pages):
@@ -175,9 +213,9 @@ class ModelRunner:
         combos = list(itertools.product(self.token_buckets(), self.page_buckets()))
         for t, p in tqdm(combos, desc="compiling step buckets", unit="bucket"):
             # A real call (not .lower().compile()) so the jit dispatch cache is filled; every row is
-            # padding and writes only into the null page.
+            # padding, so no K/V is written.
             _, self.k_cache, self.v_cache = self._forward(
-                self._state, self.k_cache, self.v_cache, np.zeros(t, np.int32),
+                self._params, self.k_cache, self.v_cache, np.zeros(t, np.int32),
                 np.zeros(t, np.int32), np.zeros(t, np.int32), np.full((t, p), NULL_PAGE, np.int32))
         seconds = time.perf_counter() - start
         logger.info("compiled %d step buckets in %.1f s", len(combos), seconds)

@@ -75,11 +75,17 @@ class Sampler:
         self._gumbel = jax.jit(gumbel, static_argnames=("use_top_k", "use_top_p"))
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _check_logits(self, logits) -> int:
+    def _check_logits(self, logits, rows: int | None = None) -> int:
+        """The row count S. Logits may carry padding rows past S (ModelRunner.logits_at's
+        bucket); they are ignored."""
         if logits.ndim != 2 or logits.shape[1] != self.vocab_size:
             raise ValueError(f"logits shape {tuple(logits.shape)} is not [rows, vocab_size="
                              f"{self.vocab_size}]")
-        return int(logits.shape[0])
+        if rows is None:
+            return int(logits.shape[0])
+        if rows > logits.shape[0]:
+            raise ValueError(f"{rows} rows asked of logits with {logits.shape[0]} rows")
+        return int(rows)
 
     @staticmethod
     def _pad_rows(logits, bucket: int):
@@ -89,6 +95,8 @@ class Sampler:
             logits = logits.astype(jnp.float32)  # bf16 -> f32 is exact
         if rows == bucket:
             return logits
+        if rows > bucket:  # padded logits (both sizes are powers of two: few shapes)
+            return logits[:bucket]
         return jnp.pad(logits, ((0, bucket - rows), (0, 0)))
 
     @staticmethod
@@ -99,10 +107,11 @@ class Sampler:
 
     # -- the three calls --------------------------------------------------------------------------
     def sample(self, logits, rows: SamplingRows) -> np.ndarray:
-        """np.int32[S]: greedy rows take the canonical argmax, others a per-request Gumbel draw."""
-        s = self._check_logits(logits)
+        """np.int32[S]: greedy rows take the canonical argmax, others a per-request Gumbel draw.
+        S = the rows' count; logits rows past S are padding."""
         fields = {name: np.asarray(getattr(rows, name)) for name in
                   ("temperature", "top_k", "top_p", "min_p", "seed", "position")}
+        s = self._check_logits(logits, len(fields["temperature"]))
         for name, value in fields.items():
             if value.shape != (s,):
                 raise ValueError(f"SamplingRows.{name} has shape {value.shape}, expected ({s},)")
@@ -134,9 +143,10 @@ class Sampler:
         return np.asarray(out)[:s].astype(np.int32)
 
     def token_logprobs(self, logits, token_ids) -> np.ndarray:
-        """np.float32[S]: THE logprob function (launch's --logprob-order), prompt and output alike."""
-        s = self._check_logits(logits)
+        """np.float32[S]: THE logprob function (launch's --logprob-order), prompt and output alike.
+        S = len(token_ids); logits rows past S are padding."""
         ids = np.asarray(token_ids)
+        s = self._check_logits(logits, len(ids) if ids.ndim == 1 else None)
         if ids.shape != (s,):
             raise ValueError(f"token_ids has shape {ids.shape}, expected ({s},)")
         bad = np.flatnonzero((ids < 0) | (ids >= self.vocab_size))
@@ -150,9 +160,10 @@ class Sampler:
                                    self._pad_host(ids.astype(np.int32), bucket, np.int32, 0))
         return np.asarray(out)[:s]
 
-    def top_logprobs(self, logits, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(np.float32[S, k], np.int32[S, k]): each row's k largest logprobs, lowest id on ties."""
-        s = self._check_logits(logits)
+    def top_logprobs(self, logits, k: int, rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(np.float32[S, k], np.int32[S, k]): each row's k largest logprobs, lowest id on ties.
+        S = rows (default: every logits row)."""
+        s = self._check_logits(logits, rows)
         if not isinstance(k, (int, np.integer)) or not 0 <= k <= self.vocab_size:
             raise ValueError(f"top_logprobs_num={k!r} must be an integer in [0, {self.vocab_size}]")
         if s == 0 or k == 0:
