@@ -27,7 +27,9 @@ from pallas_kernels.registry import REGISTRY
 TRITON_IMPLS = {("linear", "gemm"): "triton_fixed_tile", ("norm", "rmsnorm"): "triton_fixed_tree",
                 ("norm", "add_rmsnorm"): "triton_fixed_tree",
                 ("activation", "silu"): "triton_elementwise",
-                ("sampling", "block_sumexp"): "triton_fixed_tree"}
+                ("sampling", "block_sumexp"): "triton_fixed_tree",
+                ("attention", "paged"): "triton_fixed_split",
+                ("attention", "dense_causal"): "triton_fixed_split"}
 
 
 # -- any machine -----------------------------------------------------------------------------------
@@ -121,7 +123,7 @@ def test_guarded_import_restores_the_cache_dir(fake_jax_triton, monkeypatch, pre
 
 
 def test_bench_bytes_match_the_published_llama3_8b_size():
-    from jengine.bench_report import decode_bytes
+    from jengine.bench.report import decode_bytes
 
     weights_read = decode_bytes(0, 0, 128256) / 2  # every projection + the LM head, 2 bytes each
     embedding, norms = 128256 * 4096, (2 * 32 + 1) * 4096

@@ -1,0 +1,217 @@
+"""`jengine bench`: decode/prefill cost on the accelerator, against a roofline measured in the same run.
+
+    jengine bench [--parts roofline leaves model engine hf] [--numerics auto rl-bitwise] [--out DIR]
+    jengine bench --merge run1/bench.json run2/bench.json --out DIR   # one report from several runs
+
+Parts, each run in its own subprocess with its own --part-timeout (XLA flags differ per --numerics
+and must be set before the backend starts); `model` and `engine` run once per --numerics:
+  roofline  HBM copy bandwidth (a warmed 4 GiB copy, bytes read + written) and bf16 8192^3 GEMM
+            TFLOP/s, through XLA and, when installed, torch.
+  leaves    every Llama-3-8B projection GEMM at M in {1, 16, 64, 256, 4096}: XLA's dot (what
+            --numerics auto plans) against the fixed-tile Triton leaf (what rl-bitwise plans on a
+            GPU), each timed over a chain of distinct weight matrices (no L2 reuse) inside one jit;
+            summed into the GEMM share of one decode step (32 layers + LM head).
+  model     the real ModelRunner on a Llama-3-8B-shaped model with random bf16 weights created on
+            the device: decode steps at each batch size with context --context, one decode row at
+            --long-context-batch x --long-context (bs 16, ctx 8192), and one prefill chunk of
+            --prefill-tokens.
+  engine    the whole Engine (scheduler, runner, sampler, output thread) on the same random model:
+            --e2e-requests requests of --e2e-input random prompt tokens and --e2e-output greedy
+            output tokens (ignore_eos), all submitted at once; wall time to the last one finished.
+  hf        the peer: HF transformers LlamaForCausalLM of the same shape, random weights, greedy
+            `generate` (static cache when it works) at --hf-batch x --context + --hf-new-tokens.
+Every time is the median of --iters timed runs after warm-up (engine: one timed run). Writes
+bench.json and bench.md (results: docs/performance.md). --shape small runs all of it on a CPU.
+Not implemented yet: the MoE shape of issue 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from jengine.bench.common import LLAMA3_8B, PADDED_VOCAB, ROWS, SHAPES, SMALL  # noqa: F401
+from jengine.bench.device import part_leaves, part_roofline
+from jengine.bench.e2e import part_engine, part_hf
+from jengine.bench.model import part_model
+
+PARTS = {"roofline": part_roofline, "leaves": part_leaves, "model": part_model,
+         "engine": part_engine, "hf": part_hf}
+PER_NUMERICS = ("model", "engine")  # parts run once per --numerics; the others once
+
+
+# -- orchestration ---------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
+    p.add_argument("--numerics", nargs="+", default=["auto", "rl-bitwise"])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--context", type=int, default=1024,
+                   help="decode context length (model), prompt length (hf)")
+    p.add_argument("--long-context", type=int, default=8192,
+                   help="context of the extra long-context decode row (model; 0 = skip)")
+    p.add_argument("--long-context-batch", type=int, default=16, help="batch of that row")
+    p.add_argument("--prefill-tokens", type=int, default=4096, help="prefill chunk (0 = skip)")
+    p.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="GEMM M values (leaves)")
+    p.add_argument("--iters", type=int, default=10, help="timed iterations per measurement")
+    p.add_argument("--tile-candidates", nargs="*", default=[],
+                   help="extra Triton GEMM tiles for the leaves part, as BM,BN,BK,GROUP_M,WARPS,STAGES")
+    p.add_argument("--e2e-requests", type=int, default=256, help="engine: requests submitted at once")
+    p.add_argument("--e2e-input", type=int, default=1024, help="engine: prompt tokens per request")
+    p.add_argument("--e2e-output", type=int, default=256, help="engine: output tokens per request")
+    p.add_argument("--hf-batch", type=int, default=64, help="hf: generate batch")
+    p.add_argument("--hf-new-tokens", type=int, default=64, help="hf: tokens generated per row")
+    p.add_argument("--part-timeout", nargs="+", default=["540"], metavar="[PART=]SECONDS",
+                   type=_timeout_entry,
+                   help="seconds per child process: one number for all, PART=SECONDS to override "
+                        "one part (e.g. 300 engine=540)")
+    p.add_argument("--shape", default="llama3-8b", choices=list(SHAPES),
+                   help="model shape for the model, engine and hf parts (small: a CPU smoke test)")
+    p.add_argument("--merge", nargs="+", metavar="BENCH_JSON",
+                   help="run nothing: merge bench.json files of separate runs (later ones win per "
+                        "part) and render them together into --out")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    return p
+
+
+def add_parser(subparsers):
+    return add_arguments(subparsers.add_parser("bench", help="benchmark on the accelerator",
+                                               description=__doc__.split("\n\n")[0]))
+
+
+# Options a child needs, forwarded as given (--numerics is forwarded one value per child).
+CHILD_OPTIONS = ("batch_sizes", "context", "long_context", "long_context_batch", "prefill_tokens",
+                 "rows", "iters", "tile_candidates", "e2e_requests", "e2e_input", "e2e_output",
+                 "hf_batch", "hf_new_tokens", "shape")
+
+
+def _child_argv(args) -> list[str]:
+    argv = []
+    for name in CHILD_OPTIONS:
+        value = getattr(args, name)
+        values = value if isinstance(value, list) else [value]
+        argv += ["--" + name.replace("_", "-"), *map(str, values)]
+    return argv
+
+
+def part_timeouts(values: list[str]) -> dict:
+    """['300', 'engine=540'] -> {'': 300, 'engine': 540}; '' is the default for every part."""
+    out = {"": 540}
+    for v in values:
+        part, _, seconds = v.rpartition("=")
+        if part and part not in PARTS:
+            raise ValueError(f"--part-timeout {v!r}: {part!r} is not one of {list(PARTS)}")
+        out[part] = int(seconds)
+    return out
+
+
+def _timeout_entry(value: str) -> str:
+    try:
+        part_timeouts([value])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def _read_partial(path: str) -> dict:
+    if not os.path.getsize(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _run_child(part: str, numerics: str, args) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    timeouts = part_timeouts(args.part_timeout)
+    timeout = timeouts.get(part, timeouts[""])
+    argv = [sys.executable, "-m", "jengine.bench", "--child", part, "--child-out", path,
+            "--numerics", numerics, *_child_argv(args)]
+    start = time.time()
+    try:
+        proc = subprocess.run(argv, timeout=timeout, text=True, capture_output=True,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        sys.stdout.write(proc.stdout[-4000:])
+        if proc.returncode != 0:
+            return {**_read_partial(path), "error": f"rc={proc.returncode}",
+                    "tail": (proc.stdout + proc.stderr)[-3000:]}
+        result = _read_partial(path)
+        result.pop("partial", None)
+    except subprocess.TimeoutExpired as exc:
+        tail = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout
+        return {**_read_partial(path), "error": f"timeout after {timeout} s",
+                "tail": (tail or "")[-3000:]}
+    finally:
+        os.unlink(path)
+    result["seconds"] = round(time.time() - start, 1)
+    return result
+
+
+def _versions() -> dict:
+    import datetime
+    import importlib.metadata as md
+    import platform
+
+    v = {"date": datetime.datetime.now().isoformat(timespec="minutes"),
+         "python": platform.python_version()}
+    for name in ("jax", "jaxlib", "torch", "transformers", "triton", "jax-triton", "flax"):
+        try:
+            v[name] = md.version(name)
+        except md.PackageNotFoundError:
+            v[name] = None
+    return v
+
+
+def merge_results(paths: list[str]) -> dict:
+    """One results dict from several bench.json files (separate device calls); later files win."""
+    merged = {"commands": []}
+    for path in paths:
+        with open(path) as f:
+            r = json.load(f)
+        merged["commands"] += r.pop("commands", None) or [r.pop("command", path)]
+        merged.update(r)
+    return merged
+
+
+def _write(results: dict, out_dir: str) -> str:
+    from jengine.bench.report import render
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "bench.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    md = render(results)
+    with open(os.path.join(out_dir, "bench.md"), "w") as f:
+        f.write(md)
+    return md
+
+
+def main(args) -> int:
+    if args.merge:
+        results = merge_results(args.merge)
+    else:
+        results = {"versions": _versions(), "command": "jengine bench " + " ".join(sys.argv[2:])}
+        for part in args.parts:
+            for numerics in (args.numerics if part in PER_NUMERICS else ["-"]):
+                key = part if numerics == "-" else f"{part}:{numerics}"
+                print(f"== {key}", flush=True)
+                results[key] = _run_child(part, numerics if numerics != "-" else "auto", args)
+    print(_write(results, args.out))
+    return 0 if not any("error" in v for v in results.values() if isinstance(v, dict)) else 1
+
+
+def _child_main(argv) -> int:
+    p = add_arguments(argparse.ArgumentParser())
+    p.add_argument("--child", required=True, choices=list(PARTS))
+    p.add_argument("--child-out", required=True)
+    args = p.parse_args(argv)
+    args.numerics = args.numerics[0]
+    result = PARTS[args.child](args)
+    with open(args.child_out, "w") as f:
+        json.dump(result, f, default=str)
+    return 0

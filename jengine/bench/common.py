@@ -1,0 +1,125 @@
+"""What the bench parts share: model shapes, timing, the random-weight model and its runner."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+LLAMA3_8B = dict(architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336,
+                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                 rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+                 vocab_size=128256, tie_word_embeddings=False, torch_dtype="bfloat16",
+                 bos_token_id=128000, eos_token_id=128001)
+# A 2-layer shape with the same structure, for smoke-testing the bench on a CPU (--shape small).
+SMALL = dict(LLAMA3_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=32000)
+SHAPES = {"llama3-8b": (LLAMA3_8B, 131072), "small": (SMALL, 32768)}
+PADDED_VOCAB = 131072  # the rl-bitwise variant: a multiple of the 32768-wide logprob block
+ROWS = (1, 16, 64, 256, 4096)
+
+
+def _checkpoint(args, result: dict) -> None:
+    """Write what a part has measured so far: a part stopped by its timeout still reports."""
+    if getattr(args, "child_out", None):
+        with open(args.child_out, "w") as f:
+            json.dump({**result, "partial": True}, f, default=str)
+
+
+def _median_time(fn, iters: int, warmup: int = 2, back_to_back: int = 1, sync=None) -> float:
+    """Median seconds per call. With back_to_back > 1 each sample is that many asynchronous calls
+    followed by one `sync` of the last result, so host dispatch overlaps the device work."""
+    for _ in range(warmup):
+        out = fn()
+    if sync:
+        sync(out)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        for _ in range(back_to_back):
+            out = fn()
+        if sync:
+            sync(out)
+        times.append((time.perf_counter() - t0) / back_to_back)
+    return statistics.median(times)
+
+
+def _random_llama(base: dict, vocab: int):
+    """A LoadedModel-like object whose weights are created on the device, never on the host."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    import jengine.models.dense as dense
+    from jengine.models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf_dict({**base, "vocab_size": vocab})
+    h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * cfg.head_dim
+    shapes = {"embed_tokens": (vocab, h), "q_proj": (h, h), "k_proj": (kv, h), "v_proj": (kv, h),
+              "o_proj": (h, h), "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    counter = iter(range(10**6))
+
+    def random_param(weights, name, dtype, transpose=False):  # replaces dense._param
+        stem = name.split(".")[-2]
+        shape = shapes.get(stem, (h,))  # norms are [H]
+        if transpose:
+            shape = shape[::-1]
+        key = jax.random.key(next(counter))
+        scale = 1.0 if len(shape) == 1 else shape[-1] ** -0.5 if not transpose else shape[0] ** -0.5
+        return nnx.Param((jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype))
+
+    dense._param = random_param
+    # The LM head is read with np.asarray by the model; a tiled host block keeps that cheap.
+    block = (np.random.default_rng(0).standard_normal((1024, h)) * h ** -0.5).astype(jnp.bfloat16)
+
+    class Weights(dict):
+        def __contains__(self, key):
+            return key == "lm_head.weight" or dict.__contains__(self, key)
+
+        def __getitem__(self, key):
+            if key == "lm_head.weight":
+                return np.tile(block, (-(-vocab // 1024), 1))[:vocab]
+            raise KeyError(key)
+
+    class Loaded:
+        config = cfg
+        weights = Weights()
+        eos_token_ids = (128001,)
+    return Loaded()
+
+
+def _pages(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+def _pool_tokens(rows, page_size: int) -> int:
+    """KV pool (tokens) for (requests, tokens held per request) rows run one at a time: the largest
+    row, in whole pages. Nothing more: a KV token costs 128 KiB on the Llama-3-8B shape."""
+    return max(bs * _pages(tokens, page_size) for bs, tokens in rows) * page_size
+
+
+def _shape(args) -> tuple[dict, int]:
+    """The model config and the vocabulary this --numerics runs with (rl-bitwise pads the head)."""
+    base, padded = SHAPES[args.shape]
+    return base, padded if args.numerics != "auto" else base["vocab_size"]
+
+
+def _build_runner(args, launch):
+    """Resolve the launch, set its XLA flags (before JAX starts), build a ModelRunner on random
+    weights. Returns (runner, resolved, loaded)."""
+    from jengine.numerics import resolve_launch
+
+    resolved = resolve_launch(launch)
+    resolved.apply_environment()
+    import pallas_kernels  # noqa: F401  (registers every leaf, the GPU ones too, before planning)
+    from jengine.engine.model_runner import ModelRunner
+    from jengine.profiles import override_profile
+
+    base, vocab = _shape(args)
+    loaded = _random_llama(base, vocab)
+    # Timing only: random weights prove nothing about the contract, so the model's verification
+    # gate (require_verified_numerics) is overridden for this process and nothing else.
+    with override_profile(base["architectures"][0], numerics_envelopes={args.numerics}):
+        runner = ModelRunner(loaded, resolved)
+    return runner, resolved, loaded

@@ -1,0 +1,250 @@
+"""Parts `engine` (the whole Engine on a fixed synthetic workload) and `hf` (the HF transformers
+`generate` peer)."""
+
+from __future__ import annotations
+
+import time
+
+from jengine.bench.common import (SHAPES, _build_runner, _checkpoint, _median_time, _pages,
+                                  _pool_tokens)
+
+
+# -- part engine: the whole Engine on a fixed synthetic workload ------------------------------------
+
+E2E_MAX_RUNNING = 256  # the running set holds the whole default workload at once
+E2E_PREFILL_BUDGET = 4096  # --max-prefill-tokens, and the prefill chunk per request
+
+
+class _NullDetokenizer:
+    """Random weights have no tokenizer; text is not what this part measures (token ids are)."""
+
+    def __init__(self, prompt_ids=()):
+        pass
+
+    def add(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+def _e2e_launch(args):
+    from jengine.config import LaunchConfig
+
+    ps = LaunchConfig().page_size
+    per_request = args.e2e_input + args.e2e_output
+    running = min(E2E_MAX_RUNNING, args.e2e_requests)
+    return LaunchConfig(numerics=args.numerics, max_running_requests=E2E_MAX_RUNNING,
+                        max_prefill_tokens=E2E_PREFILL_BUDGET, chunked_prefill_size=E2E_PREFILL_BUDGET,
+                        context_length=per_request + ps,
+                        max_total_tokens=_pool_tokens([(running, per_request)], ps), skip_warmup=True)
+
+
+def _warm_step_programs(runner, sampler, args) -> float:
+    """Compile what the workload's steps run, as a long-running server has it compiled; seconds.
+
+    runner.warmup() compiles every (tokens, pages) bucket of the launch (~80 for the default
+    workload): too slow for one device call. The workload hits: its first, prefill-only step at the
+    largest token bucket with the prompt's page bucket; every later step (decodes grew past the
+    prompt's pages) at any token bucket with the page bucket of a whole request. Anything missed
+    still compiles inside the timed window, and the part reports that time.
+    """
+    import jax
+    import numpy as np
+
+    from jengine.engine.batch import StepBatch
+    from pallas_kernels.fixed_order import next_pow2
+
+    t0 = time.time()
+    ps = runner.page_size
+    top_tokens = next_pow2(min(E2E_PREFILL_BUDGET, args.e2e_requests * args.e2e_input), 16)
+    token_buckets = [t for t in (1 << i for i in range(4, 32)) if t <= top_tokens]
+    prompt_pages = next_pow2(_pages(args.e2e_input, ps))
+    full_pages = next_pow2(_pages(args.e2e_input + args.e2e_output, ps))
+    shapes = {(t, full_pages) for t in token_buckets} | {(top_tokens, prompt_pages)}
+    for t, p in sorted(shapes):  # every row is padding: it writes only the null page
+        batch = StepBatch(input_ids=np.zeros(t), positions=np.zeros(t), token_req=np.zeros(t),
+                          block_tables=np.zeros((1, p)), hidden_rows=[0])
+        jax.block_until_ready(runner.forward(batch))
+    _warm_row_glue(runner, sampler, min(E2E_MAX_RUNNING, args.e2e_requests), top_tokens)
+    return time.time() - t0
+
+
+def _warm_row_glue(runner, sampler, max_rows: int, top_tokens: int) -> None:
+    """The glue around the jitted step -- `runner.logits_at` (row gather + LM head) and the
+    sampler -- compiles one program per (token bucket, row bucket): run each once, on zeros
+    committed to the device like a step's output, as a long-running server has them compiled."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jengine.engine.batch import SamplingRows
+    from pallas_kernels.fixed_order import next_pow2
+
+    device = jax.devices()[0]
+    width = runner.model_config.hidden_size
+    row_buckets = sorted({next_pow2(n) for n in range(1, max_rows + 1)})
+    for n in row_buckets:
+        for tokens in {next_pow2(n, 16), top_tokens}:
+            hidden = jax.device_put(jnp.zeros((tokens, width), runner.dtype), device)
+            zeros = np.zeros(n)
+            sampler.sample(runner.logits_at(hidden, np.arange(n)),
+                           SamplingRows(temperature=zeros, top_k=zeros - 1, top_p=zeros + 1,
+                                        min_p=zeros, seed=zeros, position=zeros))
+
+
+class _CompileClock:
+    """Counts XLA backend compiles (and their seconds) while active: what leaked into a timing."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count, self.seconds = 0, 0.0
+
+    def _listen(self, event, duration, **_):
+        if event == self.EVENT:
+            self.count += 1
+            self.seconds += duration
+
+    def __enter__(self):
+        import jax
+
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc):
+        import jax
+
+        unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None)
+        if unregister:  # without it (older jax) the listener stays, counting into a dead clock
+            unregister(self._listen)
+
+
+def _run_workload(engine, prompts, sampling: dict) -> tuple[float, list[dict]]:
+    """Wall seconds from submitting every request to the last one finished, and the outputs."""
+    t0 = time.perf_counter()
+    handles = [engine.submit(input_ids=ids, sampling_params=sampling) for ids in prompts]
+    outs = [h.result() for h in handles]
+    return time.perf_counter() - t0, outs
+
+
+def part_engine(args) -> dict:
+    import collections
+
+    import numpy as np
+
+    launch = _e2e_launch(args)
+    t0 = time.time()
+    runner, resolved, loaded = _build_runner(args, launch)
+    from jengine.engine.engine import Engine
+    from jengine.engine.sampler import Sampler
+
+    sampler = Sampler(resolved, loaded.config.vocab_size)
+    out = {"numerics": args.numerics, "shape": args.shape, "kernels": runner.kernels.describe(),
+           "requests": args.e2e_requests, "input_tokens": args.e2e_input,
+           "output_tokens": args.e2e_output, "max_running_requests": launch.max_running_requests,
+           "max_prefill_tokens": launch.max_prefill_tokens, "max_total_tokens": launch.max_total_tokens,
+           "build_s": time.time() - t0}
+    out["warmup_s"] = _warm_step_programs(runner, sampler, args)
+    _checkpoint(args, out)
+    engine = Engine.from_components(
+        config=resolved.config, resolved=resolved, model_config=loaded.config, tokenizer=None,
+        eos_token_ids=loaded.eos_token_ids, runner=runner, sampler=sampler,
+        detokenizer_factory=_NullDetokenizer, model_info={"model_dir": "random weights"})
+    rng = np.random.default_rng(0)
+    # Greedy, and ignore_eos so every request yields exactly --e2e-output tokens.
+    sampling = {"max_new_tokens": args.e2e_output, "temperature": 0.0, "ignore_eos": True}
+    prompts = rng.integers(0, 32000, (args.e2e_requests, args.e2e_input)).tolist()
+    try:
+        warm = rng.integers(0, 32000, args.e2e_input).tolist()
+        engine.submit(input_ids=warm, sampling_params={**sampling, "max_new_tokens": 4}).result()
+        engine.flush_cache()  # the timed run starts from an empty prefix cache
+        with _CompileClock() as clock:
+            wall, outs = _run_workload(engine, prompts, sampling)
+    finally:
+        engine.shutdown()
+    produced = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    out.update(
+        wall_s=wall, output_tokens_total=produced,
+        finish_reasons=dict(collections.Counter(o["meta_info"]["finish_reason"]["type"]
+                                                for o in outs)),
+        output_tok_s=produced / wall, total_tok_s=(produced + args.e2e_input * len(outs)) / wall,
+        req_s=len(outs) / wall, compiles_in_timing=clock.count, compile_s_in_timing=clock.seconds)
+    print(f"[{args.numerics}] e2e {len(outs)} requests: {wall:.2f} s, "
+          f"{out['output_tok_s']:.0f} output tok/s", flush=True)
+    return out
+
+
+# -- part hf: the HF transformers `generate` peer -------------------------------------------------
+
+
+def _hf_model(args):
+    """LlamaForCausalLM of the bench shape with random weights, created on the device in its dtype
+    (never 16 GB of float32 on the host)."""
+    import torch
+    import transformers
+
+    base, _ = SHAPES[args.shape]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # CPU bf16 matmuls crawl
+    fields = {k: v for k, v in base.items() if k not in ("architectures", "torch_dtype")}
+    if fields["eos_token_id"] >= fields["vocab_size"]:  # the small shape's vocab is cut to 32000
+        fields.update(bos_token_id=None, eos_token_id=fields["vocab_size"] - 1)
+    config = transformers.LlamaConfig(**fields)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval(), device, dtype
+
+
+def _hf_generate(model, prompt, new_tokens: int, cache: str | None):
+    import torch
+
+    kwargs = dict(attention_mask=torch.ones_like(prompt), do_sample=False, num_beams=1,
+                  max_new_tokens=new_tokens, min_new_tokens=new_tokens,  # every row runs full length
+                  pad_token_id=model.config.eos_token_id)
+    if cache:
+        kwargs["cache_implementation"] = cache
+    with torch.inference_mode():
+        out = model.generate(prompt, **kwargs)
+    if prompt.is_cuda:
+        torch.cuda.synchronize()
+    return out.shape[1] - prompt.shape[1]
+
+
+def part_hf(args) -> dict:
+    try:
+        import torch
+        import transformers
+    except Exception as exc:  # noqa: BLE001 - the peer is optional; the rest of the bench is not
+        return {"error": f"torch/transformers not importable: {exc!r}"[:300]}
+    import numpy as np
+
+    model, device, dtype = _hf_model(args)
+    b, n = args.hf_batch, args.hf_new_tokens
+    ids = np.random.default_rng(0).integers(0, 32000, (b, args.context))
+    prompt = torch.tensor(ids, device=device)
+    out = {"transformers": transformers.__version__, "torch": torch.__version__, "device": device,
+           "dtype": str(dtype).replace("torch.", ""), "shape": args.shape, "batch": b,
+           "context": args.context, "new_tokens": n}
+    # A static cache lets transformers compile the decode step on CUDA; the dynamic cache is the
+    # fallback. The warm-up runs the timed shape (a static cache is sized by prompt + new tokens,
+    # and the compiled step is kept for it), so the n-token runs are timed before the 1-token ones.
+    try:
+        out["generated"] = _hf_generate(model, prompt, n, "static")
+        out["cache"] = "static"
+    except Exception as exc:  # noqa: BLE001
+        out["static_cache_error"] = repr(exc)[:300]
+        out["generated"] = _hf_generate(model, prompt, n, None)
+        out["cache"] = "dynamic (default)"
+    cache = "static" if out["cache"] == "static" else None
+    iters = max(1, min(args.iters, 3))  # one generate is seconds; three samples are enough
+    out["generate_s"] = _median_time(lambda: _hf_generate(model, prompt, n, cache), iters, warmup=0)
+    out["generate_1_s"] = _median_time(lambda: _hf_generate(model, prompt, 1, cache), iters, warmup=1)
+    out["tok_s_with_prefill"] = b * n / out["generate_s"]
+    # The 1-token generate is the prefill (and its first token); the rest is n - 1 decode steps.
+    decode_s = out["generate_s"] - out["generate_1_s"]
+    out["decode_tok_s"] = b * (n - 1) / decode_s if decode_s > 0 and n > 1 else None
+    print(f"[hf] bs={b} ctx={args.context} +{n}: {out['generate_s']:.2f} s "
+          f"({out['tok_s_with_prefill']:.0f} tok/s with prefill)", flush=True)
+    return out

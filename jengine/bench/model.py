@@ -1,0 +1,89 @@
+"""Part `model`: the real ModelRunner's decode steps (every batch size, the long-context row) and
+one prefill chunk, on the random-weight model."""
+
+from __future__ import annotations
+
+import time
+
+from jengine.bench.common import _build_runner, _checkpoint, _median_time, _pages, _pool_tokens
+
+
+def _time_decode(runner, bs: int, context: int, iters: int) -> tuple[float, float]:
+    """(compile s, median ms) of one decode step: bs requests, each at position `context` with
+    its own pages (page 0 is the null page)."""
+    import jax
+    import numpy as np
+
+    from jengine.engine.batch import StepBatch
+
+    pages = _pages(context + 1, runner.page_size)
+    tables = 1 + np.arange(bs * pages, dtype=np.int32).reshape(bs, pages)
+    batch = StepBatch(input_ids=np.arange(bs) % 1000, positions=np.full(bs, context),
+                      token_req=np.arange(bs), block_tables=tables, hidden_rows=np.arange(bs))
+
+    def step():
+        jax.block_until_ready(runner.compute_logits(runner.forward(batch)))
+
+    t0 = time.time()
+    step()
+    compile_s = time.time() - t0
+    return compile_s, _median_time(step, iters, warmup=1) * 1e3
+
+
+def _time_prefill(runner, n: int, iters: int) -> float:
+    """Median ms of one n-token prefill chunk of one request (LM head on its last row only)."""
+    import jax
+    import numpy as np
+
+    from jengine.engine.batch import StepBatch
+
+    tables = 1 + np.arange(_pages(n, runner.page_size), dtype=np.int32)[None]
+    batch = StepBatch(input_ids=np.arange(n) % 1000, positions=np.arange(n),
+                      token_req=np.zeros(n), block_tables=tables, hidden_rows=[n - 1])
+    step = lambda: jax.block_until_ready(runner.compute_logits(runner.forward(batch)))
+    step()
+    # A chunk takes ~100x a decode step: half the samples suffice.
+    return _median_time(step, max(3, iters // 2), warmup=1) * 1e3
+
+
+def _decode_rows(args) -> list[tuple[int, int]]:
+    """(batch, context) of every decode row: --batch-sizes at --context, then the long row."""
+    long_row = [(args.long_context_batch, args.long_context)] if args.long_context else []
+    return [(bs, args.context) for bs in args.batch_sizes] + long_row
+
+
+def _model_launch(args):
+    """Room for the largest row and no more: rows run one at a time and reuse the same pages."""
+    from jengine.config import LaunchConfig
+
+    ps = LaunchConfig().page_size
+    rows = _decode_rows(args)
+    held = [(bs, ctx + 1) for bs, ctx in rows] + [(1, max(args.prefill_tokens, 1))]
+    return LaunchConfig(numerics=args.numerics, max_running_requests=max(bs for bs, _ in rows),
+                        max_prefill_tokens=max(args.prefill_tokens, 16),
+                        context_length=max([ctx for _, ctx in rows] + [args.prefill_tokens]) + ps,
+                        max_total_tokens=_pool_tokens(held, ps), skip_warmup=True)
+
+
+def part_model(args) -> dict:
+    launch = _model_launch(args)
+    t0 = time.time()
+    runner, _, loaded = _build_runner(args, launch)
+    out = {"numerics": args.numerics, "vocab": loaded.config.vocab_size,
+           "kernels": runner.kernels.describe(), "shape": args.shape, "context": args.context,
+           "prefill_tokens": args.prefill_tokens, "max_total_tokens": launch.max_total_tokens,
+           "build_s": time.time() - t0, "decode_ms": {}, "compile_s": {}}
+    for bs in args.batch_sizes:
+        out["compile_s"][bs], out["decode_ms"][bs] = _time_decode(runner, bs, args.context, args.iters)
+        print(f"[{args.numerics}] decode bs={bs}: {out['decode_ms'][bs]:.2f} ms", flush=True)
+        _checkpoint(args, out)
+    if args.long_context:  # after the normal rows: a failure here keeps them
+        bs, ctx = args.long_context_batch, args.long_context
+        compile_s, ms = _time_decode(runner, bs, ctx, args.iters)
+        out["long_decode"] = {"batch": bs, "context": ctx, "ms": ms, "compile_s": compile_s}
+        print(f"[{args.numerics}] decode bs={bs} ctx={ctx}: {ms:.2f} ms", flush=True)
+        _checkpoint(args, out)
+    if args.prefill_tokens:
+        out["prefill_ms"] = _time_prefill(runner, args.prefill_tokens, args.iters)
+        print(f"[{args.numerics}] prefill {args.prefill_tokens}: {out['prefill_ms']:.1f} ms", flush=True)
+    return out

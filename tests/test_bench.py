@@ -1,0 +1,160 @@
+"""`jengine bench`: the report's target statuses (pure), and the engine and hf parts end to end on
+the small shape (CPU, tiny workload), through the CLI as a user runs them."""
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jengine import bench
+from jengine.bench import e2e as bench_e2e
+from jengine.bench import model as bench_model
+from jengine.bench.report import decode_bytes, prefill_flops, render, target_rows
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BW, PEAK = 4.0, 600.0  # TB/s, TFLOP/s of the synthetic roofline
+
+
+def _ms_at_hbm_percent(pct, bs, ctx, vocab):
+    return decode_bytes(bs, ctx, vocab) / (BW * 1e12) / (pct / 100) * 1e3
+
+
+def _synthetic() -> dict:
+    """A run where each kind of target is met once and missed once, by known amounts."""
+    auto_bs1 = _ms_at_hbm_percent(90, 1, 1024, 128256)  # >= 80 %: met
+    auto_bs64 = _ms_at_hbm_percent(50, 64, 1024, 128256)  # >= 65 %: missed by 15 points
+    prefill_ms = prefill_flops(4096) / (0.60 * PEAK * 1e12) * 1e3  # 60 % >= 55 %: met
+    hf_decode = 64 / auto_bs64 * 1e3 / 6  # auto is 6x HF: met
+    return {
+        "versions": {"date": "2026-01-01T00:00", "jax": "x"},
+        "command": "jengine bench (synthetic)",
+        "roofline": {"hbm_TBps": BW, "gemm_TFLOPs": PEAK},
+        "model:auto": {"numerics": "auto", "shape": "llama3-8b", "vocab": 128256, "context": 1024,
+                       "prefill_tokens": 4096, "prefill_ms": prefill_ms,
+                       "decode_ms": {"1": auto_bs1, "64": auto_bs64},
+                       "long_decode": {"batch": 16, "context": 8192, "ms": 40.0}},
+        "model:rl-bitwise": {"numerics": "rl-bitwise", "shape": "llama3-8b", "vocab": 131072,
+                             "context": 1024, "prefill_tokens": 4096,
+                             # ratios 1.05 (met) and 1.5 (missed by 0.40x); rl-bitwise 2x HF
+                             "decode_ms": {"1": auto_bs1 * 1.05, "64": auto_bs64 * 1.5},
+                             "long_decode": {"batch": 16, "context": 8192, "ms": 42.0}},
+        "engine:auto": {"requests": 256, "input_tokens": 1024, "output_tokens": 256, "wall_s": 40.0,
+                        "output_tok_s": 1638.4, "total_tok_s": 8192.0, "req_s": 6.4,
+                        "compiles_in_timing": 0, "compile_s_in_timing": 0.0,
+                        "finish_reasons": {"length": 256}},
+        "engine:rl-bitwise": {"error": "timeout after 540 s", "tail": "...", "warmup_s": 100.0},
+        "hf": {"batch": 64, "context": 1024, "new_tokens": 64, "shape": "llama3-8b",
+               "cache": "static", "device": "cuda", "dtype": "bfloat16", "generate_s": 3.0,
+               "generate_1_s": 0.5, "tok_s_with_prefill": 1365.3, "decode_tok_s": hf_decode},
+    }
+
+
+def _status_of(rows, *words):
+    matches = [(m, s) for t, m, s in rows if all(w in t for w in words)]
+    assert len(matches) == 1, (words, rows)
+    return matches[0]
+
+
+def test_target_statuses():
+    rows = target_rows(_synthetic())
+    assert _status_of(rows, "`auto` decode bs 1,")[1] == "**met**"
+    assert _status_of(rows, "`auto` decode bs 64,") == ("50 %", "**missed** by 15.00 points")
+    assert _status_of(rows, "`auto` prefill")[1] == "**met**"
+    assert _status_of(rows, "`rl-bitwise` prefill")[1] == "not measured (no prefill row)"
+    assert _status_of(rows, "1.10 x auto", "bs 1, ctx 1024") == ("1.05x", "**met**")
+    assert _status_of(rows, "1.10 x auto", "bs 64, ctx 1024") == ("1.50x", "**missed** by 0.40x")
+    assert _status_of(rows, "1.10 x auto", "bs 16, ctx 8192") == ("1.05x", "**met**")
+    assert _status_of(rows, "`auto` decode >= 5 x HF")[1] == "**met**"
+    measured, st = _status_of(rows, "`rl-bitwise` decode >= 5 x HF")
+    assert measured.startswith("4.00x") and st == "**missed** by 1.00x"
+
+
+def test_render_tables():
+    md = render(_synthetic())
+    assert "| decode bs 16, ctx 8192 | 40.00 |" in md
+    assert "| decode bs 64, ctx 1024 |" in md and "| 1.50 |" in md  # the ratio column
+    assert "| `auto` | 4096 |" in md and "| 60 % |" in md  # prefill: tok/s, TFLOP/s, % of peak
+    assert "| `auto` | 256 x (1024 + 256) | 40.00 | 1638 | 8192 | 6.40 |" in md
+    assert "`engine --numerics rl-bitwise`: stopped (timeout after 540 s)" in md
+    assert "| 64 x (1024 + 64) | static | cuda, bfloat16 | 3.00 | 0.50 |" in md
+
+
+def test_render_old_and_missing_parts():
+    """A bench.json of the previous bench (no shape, no long row, no engine/hf) still renders."""
+    old = {"versions": {"date": "2026-11-30T10:00"}, "command": "jengine bench --parts model",
+           "roofline": {"error": "rc=1", "tail": "oom"},
+           "model:auto": {"numerics": "auto", "vocab": 128256, "context": 1024, "decode_ms":
+                          {"1": 36.65, "64": 57.74}, "prefill_tokens": 4096, "compile_s": {}}}
+    md = render(old)
+    assert "roofline: not measured (rc=1)" in md
+    assert "| decode bs 64, ctx 1024 | 57.74 | 1108 | - | - |" in md
+    rows = {t: s for t, _, s in target_rows(old)}
+    assert rows["`auto` decode bs 1, ctx 1024 >= 80 % of HBM bound"] == (
+        "not measured (no roofline in this run)")
+    assert any(s == "not measured (part not run)" for t, s in rows.items() if "HF" in t)
+    assert "not measured" in render({})
+
+
+def test_part_timeouts_and_launch_sizing():
+    assert bench.part_timeouts(["300", "engine=540"]) == {"": 300, "engine": 540}
+    with pytest.raises(ValueError, match="nope"):
+        bench.part_timeouts(["nope=3"])
+    args = bench.add_arguments(argparse.ArgumentParser()).parse_args([])
+    args.numerics = "auto"
+    assert args.parts == ["roofline", "leaves", "model", "engine", "hf"]
+    model = bench_model._model_launch(args)  # bs 256 x 1025 tokens beats bs 16 x 8193
+    assert model.max_total_tokens == 256 * 65 * 16 and model.context_length > 8192
+    e2e = bench_e2e._e2e_launch(args)
+    assert (e2e.max_total_tokens, e2e.max_running_requests, e2e.max_prefill_tokens) == (
+        256 * 1280, 256, 4096)
+
+
+def _bench_cli(tmp_path, numerics):
+    argv = [sys.executable, "-m", "jengine.cli", "bench", "--parts", "engine", "hf", "--shape",
+            "small", "--numerics", *numerics, "--e2e-requests", "4", "--e2e-input", "32",
+            "--e2e-output", "8", "--hf-batch", "2", "--context", "32", "--hf-new-tokens", "4",
+            "--iters", "2", "--part-timeout", "120", "--out", str(tmp_path)]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    results = json.loads((tmp_path / "bench.json").read_text())
+    return proc, results, (tmp_path / "bench.md").read_text()
+
+
+def _check_engine(r):
+    assert "error" not in r, r
+    assert r["finish_reasons"] == {"length": 4} and r["output_tokens_total"] == 4 * 8
+    for key in ("wall_s", "output_tok_s", "total_tok_s", "req_s"):
+        assert r[key] > 0, key
+    assert r["total_tok_s"] == pytest.approx(r["output_tok_s"] * 5)  # (32 + 8) / 8
+
+
+def _check_hf(r, md):
+    if importlib.util.find_spec("transformers") is None:
+        assert "not importable" in r["error"] and "not measured" in md
+        return
+    assert "error" not in r, r
+    assert r["generated"] == 4 and r["cache"] in ("static", "dynamic (default)")
+    assert r["generate_s"] > 0 and r["tok_s_with_prefill"] > 0
+    assert "| 2 x (32 + 4) |" in md
+
+
+def test_engine_and_hf_parts_small(tmp_path):
+    proc, results, md = _bench_cli(tmp_path, ["auto"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _check_engine(results["engine:auto"])
+    _check_hf(results["hf"], md)
+    assert "| `auto` | 4 x (32 + 8) |" in md
+    assert "## Targets (issue 8)" in md
+
+
+@pytest.mark.slow
+def test_engine_both_numerics_small(tmp_path):
+    proc, results, md = _bench_cli(tmp_path, ["auto", "rl-bitwise"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for numerics in ("auto", "rl-bitwise"):
+        _check_engine(results[f"engine:{numerics}"])
+    assert "rl-bitwise / auto wall time:" in md
