@@ -6,4 +6,5 @@ and jax-triton import and a GPU is present; elsewhere their modules import and r
 
 from pallas_kernels import registry  # noqa: F401
 from pallas_kernels import activation, attention, gemm, logprobs, rmsnorm, sampling  # noqa: F401
-from pallas_kernels import triton_activation, triton_gemm, triton_norm, triton_sampling  # noqa: F401
+from pallas_kernels import (triton_activation, triton_attention, triton_gemm,  # noqa: F401
+                            triton_norm, triton_sampling)

@@ -1,0 +1,222 @@
+"""The @triton.jit sources of the GPU attention leaf (pallas_kernels/triton_attention.py).
+
+The numbers a query row gets are defined by one algorithm, whatever the schedule:
+
+* the context is cut into fixed *splits* of SPLIT positions counted from position 0, each split
+  into KV tiles of BLOCK_N positions; a row reads positions 0..its own position and nothing else;
+* inside a split, an online softmax over the tiles in order: scores s = (q . k) * scale from one
+  tl.dot per tile, m = running max, p = exp(s - m) (libdevice expf), l = l * alpha + sum(p),
+  acc = acc * alpha + dot(p in the model dtype, v), alpha = exp(m_old - m_new);
+* the splits' (m, l, acc) are merged in split order with `merge` (explicit fma), and the output is
+  acc / l (IEEE division), rounded once to the model dtype.
+
+Two schedules run it: `attention_serial_kernel` walks a row's splits in one program (big steps:
+prefill chunks, many decode rows); `attention_split_kernel` computes every split in its own program
+and `attention_combine_kernel` merges them (few rows, long context: more programs in flight). Both
+use the same helpers on the same tile shapes, every kernel is compiled with fp fusion off (no
+contraction the compiler could choose differently per kernel), so the two schedules give the same
+bits; the leaf's tests check it.
+
+Why a row's bits cannot depend on its batch: one program holds a *tile* of up to TPP consecutive
+tokens of one request times the GP (padded) query heads of one KV head -- always ROWS = TPP * GP
+rows, whatever the step's size -- and every row's arithmetic is per row (a row of an MMA never
+touches its neighbours; maxima, sums and the merge are per row). Tiles past a row's position are
+skipped with `tl.where` (not by adding zeros, which could turn -0.0 into +0.0), and positions past
+the tile's last row are loaded as zeros, so garbage in unused KV slots never enters a product.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # Triton's interpreter (the CPU tests' logic checks) has no libdevice; numpy's exp stands in.
+    @triton.jit
+    def _expf(x):
+        return tl.exp(x)
+else:
+    @triton.jit
+    def _expf(x):
+        """libdevice __nv_expf: the exp torch CUDA and XLA call (tl.exp is ex2.approx)."""
+        return libdevice.exp(x)
+
+
+@triton.jit
+def _load_q(q_ptr, t0, n_tok, h, HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+            TPP: tl.constexpr, D: tl.constexpr):
+    """Rows r = j * GP + g: token t0 + j, query head h * G + g. Returns q [ROWS, D], row ok, token."""
+    rows = tl.arange(0, TPP * GP)
+    j = rows // GP
+    g = rows % GP
+    ok = (j < n_tok) & (g < G)
+    tok = t0 + j
+    d = tl.arange(0, D)
+    ptrs = q_ptr + (tok.to(tl.int64) * HQ + h * G + g)[:, None] * D + d[None, :]
+    q = tl.load(ptrs, mask=ok[:, None], other=0.0)
+    return q, ok, tok
+
+
+@triton.jit
+def _split_state(q, row_pos, max_pos, req, split, bt_ptr, k_ptr, v_ptr, page_size, table_width,
+                 scale, h, HKV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
+    """Online softmax over the KV tiles of one split, for every row. Returns (m, l, acc)."""
+    m = tl.full((ROWS,), float("-inf"), tl.float32)
+    l = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, D), tl.float32)
+    d = tl.arange(0, D)
+    lo = split * SPLIT
+    hi = tl.minimum(lo + SPLIT, max_pos + 1)
+    for start in range(lo, hi, BLOCK_N):
+        c = start + tl.arange(0, BLOCK_N)
+        in_tile = c <= max_pos  # positions some row of the tile may read
+        page = tl.load(bt_ptr + req * table_width + c // page_size, mask=in_tile, other=0)
+        slot = c % page_size
+        kv_off = ((page.to(tl.int64) * page_size + slot) * HKV + h) * D
+        k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=in_tile[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=in_tile[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        valid = c[None, :] <= row_pos[:, None]
+        s = tl.where(valid, s * scale, float("-inf"))
+        live = start <= row_pos  # the row reads at least one position of this tile
+        m_new = tl.where(live, tl.maximum(m, tl.max(s, axis=1)), m)
+        alpha = _expf(m - m_new)
+        p = tl.where(valid, _expf(s - m_new[:, None]), 0.0)
+        l_new = tl.fma(l, alpha, tl.sum(p, axis=1))
+        if IEEE:
+            acc_new = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc_new = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        l = tl.where(live, l_new, l)
+        acc = tl.where(live[:, None], acc_new, acc)
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def _merge(big_m, big_l, big_acc, m, l, acc, live):
+    """Fold one split's state into the running one (rows where the split is live)."""
+    m_new = tl.maximum(big_m, m)
+    ea = _expf(big_m - m_new)
+    eb = _expf(m - m_new)
+    l_new = tl.fma(big_l, ea, l * eb)
+    acc_new = tl.fma(big_acc, ea[:, None], acc * eb[:, None])
+    return (tl.where(live, m_new, big_m), tl.where(live, l_new, big_l),
+            tl.where(live[:, None], acc_new, big_acc))
+
+
+@triton.jit
+def _store_out(out_ptr, big_l, big_acc, ok, tok, h, HQ: tl.constexpr, G: tl.constexpr,
+               GP: tl.constexpr, TPP: tl.constexpr, D: tl.constexpr):
+    rows = tl.arange(0, TPP * GP)
+    g = rows % GP
+    d = tl.arange(0, D)
+    o = tl.math.div_rn(big_acc, big_l[:, None])
+    ptrs = out_ptr + (tok.to(tl.int64) * HQ + h * G + g)[:, None] * D + d[None, :]
+    tl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+@triton.jit
+def _tile(tiles_ptr, num_tiles, tile):
+    """tiles [4, num_tiles]: first token, token count, request row, largest position."""
+    t0 = tl.load(tiles_ptr + tile)
+    n_tok = tl.load(tiles_ptr + num_tiles + tile)
+    req = tl.load(tiles_ptr + 2 * num_tiles + tile)
+    max_pos = tl.load(tiles_ptr + 3 * num_tiles + tile)
+    return t0, n_tok, req, max_pos
+
+
+@triton.jit(do_not_specialize=["num_tiles", "page_size", "table_width"])
+def attention_serial_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, tiles_ptr, num_tiles, page_size, table_width, scale,
+    out_ptr,
+    HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, TPP: tl.constexpr,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Grid (tiles, HKV): every split of a tile's rows in one program, merged in order."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    t0, n_tok, req, max_pos = _tile(tiles_ptr, num_tiles, tile)
+    if n_tok > 0:
+        q, ok, tok = _load_q(q_ptr, t0, n_tok, h, HQ, G, GP, TPP, D)
+        row_pos = tl.load(pos_ptr + tok, mask=ok, other=0)
+        ROWS: tl.constexpr = TPP * GP
+        big_m = tl.full((ROWS,), float("-inf"), tl.float32)
+        big_l = tl.zeros((ROWS,), tl.float32)
+        big_acc = tl.zeros((ROWS, D), tl.float32)
+        for split in range(0, max_pos // SPLIT + 1):
+            m, l, acc = _split_state(q, row_pos, max_pos, req, split, bt_ptr, k_ptr, v_ptr,
+                                     page_size, table_width, scale, h, HKV, D,
+                                     ROWS, BLOCK_N, SPLIT, IEEE)
+            big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc,
+                                           split * SPLIT <= row_pos)
+        _store_out(out_ptr, big_l, big_acc, ok, tok, h, HQ, G, GP, TPP, D)
+
+
+@triton.jit(do_not_specialize=["num_tiles", "page_size", "table_width"])
+def attention_split_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, tiles_ptr, num_tiles, page_size, table_width, scale,
+    part_m_ptr, part_l_ptr, part_acc_ptr,
+    HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, TPP: tl.constexpr,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    NSPLIT: tl.constexpr,
+):
+    """Grid (tiles, HKV, NSPLIT): one split of one tile per program; partials [tile, h, split, row]."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    t0, n_tok, req, max_pos = _tile(tiles_ptr, num_tiles, tile)
+    if n_tok > 0:
+        q, ok, tok = _load_q(q_ptr, t0, n_tok, h, HQ, G, GP, TPP, D)
+        row_pos = tl.load(pos_ptr + tok, mask=ok, other=0)
+        if split * SPLIT <= max_pos:
+            ROWS: tl.constexpr = TPP * GP
+            m, l, acc = _split_state(q, row_pos, max_pos, req, split, bt_ptr, k_ptr, v_ptr,
+                                     page_size, table_width, scale, h, HKV, D,
+                                     ROWS, BLOCK_N, SPLIT, IEEE)
+            rows = tl.arange(0, ROWS)
+            base = ((tile.to(tl.int64) * HKV + h) * NSPLIT + split) * ROWS
+            tl.store(part_m_ptr + base + rows, m)
+            tl.store(part_l_ptr + base + rows, l)
+            d = tl.arange(0, D)
+            tl.store(part_acc_ptr + (base + rows)[:, None] * D + d[None, :], acc)
+
+
+@triton.jit(do_not_specialize=["num_tiles"])
+def attention_combine_kernel(
+    pos_ptr, tiles_ptr, num_tiles, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
+    HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, TPP: tl.constexpr,
+    D: tl.constexpr, SPLIT: tl.constexpr, NSPLIT: tl.constexpr,
+):
+    """Grid (tiles, HKV): merge attention_split_kernel's partials in split order, as the serial
+    kernel does."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    t0, n_tok, req, max_pos = _tile(tiles_ptr, num_tiles, tile)
+    if n_tok > 0:
+        ROWS: tl.constexpr = TPP * GP
+        rows = tl.arange(0, ROWS)
+        j = rows // GP
+        g = rows % GP
+        ok = (j < n_tok) & (g < G)
+        tok = t0 + j
+        row_pos = tl.load(pos_ptr + tok, mask=ok, other=0)
+        big_m = tl.full((ROWS,), float("-inf"), tl.float32)
+        big_l = tl.zeros((ROWS,), tl.float32)
+        big_acc = tl.zeros((ROWS, D), tl.float32)
+        d = tl.arange(0, D)
+        for split in range(0, max_pos // SPLIT + 1):
+            base = ((tile.to(tl.int64) * HKV + h) * NSPLIT + split) * ROWS
+            m = tl.load(part_m_ptr + base + rows)
+            l = tl.load(part_l_ptr + base + rows)
+            acc = tl.load(part_acc_ptr + (base + rows)[:, None] * D + d[None, :])
+            big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc,
+                                           split * SPLIT <= row_pos)
+        _store_out(out_ptr, big_l, big_acc, ok, tok, h, HQ, G, GP, TPP, D)

@@ -1,0 +1,230 @@
+"""("attention", "paged") and ("attention", "dense_causal") on the GPU: one Triton source, two hosts.
+
+The algorithm and why its bits cannot depend on the batch are in
+pallas_kernels/_triton_attention_kernels.py: fixed splits of SPLIT positions from position 0, each
+an online softmax over KV tiles of BLOCK_N positions, merged in split order; a program holds a tile
+of TPP consecutive tokens of one request x the query heads of one KV head.
+
+Two schedules give the same bits: `serial` (one program walks every split of its tile) and `split`
+(one program per split, then a combine kernel). `schedule_for` picks by the step's row count, which
+is allowed precisely because the bits do not change with it (tests/test_triton_attention.py checks
+both schedules against each other under the Triton interpreter on the CPU, and scripts/gpu_validate.py
+on the GPU).
+
+The dense-causal form (the trainer's [B, S, H, D] layout) is the same kernel reading each sequence
+as one KV page of S positions, so the trainer's twin and the engine's paged leaf agree bit for bit.
+
+These bits are *not* the portable `fixed_order` leaf's (pallas_kernels/attention.py, f32 p . v, one
+max over the whole context): on a GPU the rl-bitwise plan and trainer mode's twin table both pick
+this leaf, so engine and trainer move together. It is also registered above `xla_native` so that
+`--numerics auto` uses it on a GPU: it reads paged KV directly instead of gathering each request's
+context twice, and is the faster of the two there.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels._triton_launch import (INVARIANT, cdiv, contiguous, dtype_name, jax_launch,
+                                           require_cuda_tensors, torch_launch, triton_available)
+from pallas_kernels.fixed_order import next_pow2
+from pallas_kernels.registry import Priority, register
+
+FORMATS = {"bf16", "f32"}
+BLOCK_N = 32  # KV positions per tile (one tl.dot each for q.k and p.v)
+SPLIT = 256  # positions per split; a multiple of BLOCK_N
+MIN_ROWS = 16  # tl.dot needs >= 16 rows: GQA groups smaller than 16 are packed with more tokens
+SPLIT_MAX_ROWS = 32  # steps of at most this many token rows use the split schedule (H200: split
+# wins at 1 and 16 decode rows, serial at 64 and 256; docs/performance.md)
+NUM_WARPS, NUM_STAGES = 4, 2
+
+
+def kernels():
+    from pallas_kernels import _triton_attention_kernels
+
+    return _triton_attention_kernels
+
+
+def geometry(hq: int, hkv: int, d: int) -> dict:
+    """Static tile constants for a head layout. Raises naming the field if it is unsupported."""
+    if hq % hkv:
+        raise ValueError(f"attention: num_attention_heads={hq} is not a multiple of "
+                         f"num_key_value_heads={hkv}")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"attention (Triton): head_dim={d} must be a power of two >= 16")
+    g = hq // hkv
+    gp = next_pow2(g)
+    rows = max(MIN_ROWS, gp)
+    return dict(HQ=hq, HKV=hkv, G=g, GP=gp, TPP=rows // gp, D=d)
+
+
+def schedule_for(num_tokens: int) -> str:
+    return "split" if num_tokens <= SPLIT_MAX_ROWS else "serial"
+
+
+# -- tiles: which tokens each program holds -------------------------------------------------------
+
+
+def tiles_jax(token_req, positions, tpp: int):
+    """int32 [4, T]: each tile's first token, token count, request row and largest position
+    (tiles past the last have count 0).
+
+    A tile is at most `tpp` consecutive tokens of one run of equal token_req (one request's rows
+    are contiguous in a step). Which tokens share a tile never changes a row's bits.
+    """
+    t = token_req.shape[0]
+    token_req = token_req.astype(jnp.int32)
+    idx = jnp.arange(t, dtype=jnp.int32)
+    new_run = jnp.concatenate([jnp.ones((1,), bool), token_req[1:] != token_req[:-1]])
+    run_start = jax.lax.cummax(jnp.where(new_run, idx, 0))
+    head = new_run | ((idx - run_start) % tpp == 0)
+    tile_id = jnp.cumsum(head.astype(jnp.int32)) - 1
+    start = jnp.zeros(t, jnp.int32).at[jnp.where(head, tile_id, t)].set(idx, mode="drop")
+    count = jnp.zeros(t, jnp.int32).at[tile_id].add(1)
+    max_pos = jnp.zeros(t, jnp.int32).at[tile_id].max(positions.astype(jnp.int32))
+    return jnp.stack([start, count, token_req[start], max_pos])
+
+
+def tiles_torch(token_req, positions, tpp: int):
+    """The same tiles from torch (the twin's host)."""
+    import torch
+
+    t, dev = token_req.shape[0], token_req.device
+    token_req = token_req.to(torch.int32)
+    idx = torch.arange(t, dtype=torch.int32, device=dev)
+    new_run = torch.ones(t, dtype=torch.bool, device=dev)
+    new_run[1:] = token_req[1:] != token_req[:-1]
+    run_start = torch.cummax(torch.where(new_run, idx, 0), dim=0).values
+    head = new_run | ((idx - run_start) % tpp == 0)
+    tile_id = torch.cumsum(head.to(torch.int64), 0) - 1
+    start = torch.zeros(t, dtype=torch.int32, device=dev)
+    start[tile_id[head]] = idx[head]
+    count = torch.zeros(t, dtype=torch.int32, device=dev)
+    count.index_add_(0, tile_id, torch.ones(t, dtype=torch.int32, device=dev))
+    max_pos = torch.zeros(t, dtype=torch.int32, device=dev).scatter_reduce(
+        0, tile_id, positions.to(torch.int32), reduce="amax")
+    return torch.stack([start, count, token_req[start.long()], max_pos]).contiguous()
+
+
+# -- JAX host ---------------------------------------------------------------------------------------
+
+
+def _check(q, k_cache, v_cache):
+    if dtype_name(q.dtype) not in FORMATS:
+        raise ValueError(f"attention: q.dtype={dtype_name(q.dtype)} must be one of {sorted(FORMATS)}")
+    if k_cache.shape != v_cache.shape or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"attention: k/v caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} "
+                         f"({k_cache.dtype}/{v_cache.dtype}) must match each other and q's dtype "
+                         f"{q.dtype}")
+
+
+def _constexprs(q, k_cache) -> dict:
+    geo = geometry(q.shape[1], k_cache.shape[2], q.shape[2])
+    return dict(geo, BLOCK_N=BLOCK_N, SPLIT=SPLIT, IEEE=dtype_name(q.dtype) == "f32")
+
+
+def _combine_constexprs(c: dict) -> dict:
+    return {k: v for k, v in c.items() if k not in ("BLOCK_N", "IEEE")}
+
+
+def paged_attention_triton(q, k_cache, v_cache, block_tables, token_req, positions, *, scale,
+                           schedule: str | None = None):
+    """q [T, Hq, D]; caches [Np, page_size, Hkv, D]; block_tables [R, P]; token_req, positions [T]."""
+    _check(q, k_cache, v_cache)
+    t = q.shape[0]
+    c = _constexprs(q, k_cache)
+    page_size, width = k_cache.shape[1], block_tables.shape[1]
+    positions = positions.astype(jnp.int32)
+    tiles = tiles_jax(token_req, positions, c["TPP"])
+    inputs = (q, k_cache, v_cache, block_tables.astype(jnp.int32), positions, tiles, t, page_size,
+              width, np.float32(scale))
+    out = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    launch = dict(num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False)
+    k = kernels()
+    if (schedule or schedule_for(t)) == "serial":
+        return jax_launch(k.attention_serial_kernel, inputs, out, (t, c["HKV"]), **launch, **c)
+    nsplit = cdiv(page_size * width, SPLIT)
+    rows = c["TPP"] * c["GP"]
+    n = t * c["HKV"] * nsplit * rows
+    parts = jax_launch(k.attention_split_kernel, inputs,
+                       (jax.ShapeDtypeStruct((n,), jnp.float32),
+                        jax.ShapeDtypeStruct((n,), jnp.float32),
+                        jax.ShapeDtypeStruct((n, c["D"]), jnp.float32)),
+                       (t, c["HKV"], nsplit), **launch, **c, NSPLIT=nsplit)
+    return jax_launch(k.attention_combine_kernel, (positions, tiles, t, *parts), out,
+                      (t, c["HKV"]), **launch, **_combine_constexprs(c), NSPLIT=nsplit)
+
+
+def _dense_as_pages(b: int, s: int):
+    """A [B, S, ...] tensor read as B pages of S positions: token_req, positions, block table."""
+    return (np.repeat(np.arange(b, dtype=np.int32), s), np.tile(np.arange(s, dtype=np.int32), b),
+            np.arange(b, dtype=np.int32)[:, None])
+
+
+def dense_causal_attention_triton(q, k, v, *, scale, schedule: str | None = None):
+    """q [B, S, Hq, D], k/v [B, S, Hkv, D] -> [B, S, Hq, D]; query i attends to 0..i."""
+    b, s, hq, d = q.shape
+    token_req, positions, table = _dense_as_pages(b, s)
+    out = paged_attention_triton(q.reshape(b * s, hq, d), k, v, jnp.asarray(table),
+                                 jnp.asarray(token_req), jnp.asarray(positions), scale=scale,
+                                 schedule=schedule)
+    return out.reshape(b, s, hq, d)
+
+
+# -- torch host (the trainer's twin) ---------------------------------------------------------------
+
+
+def paged_attention_triton_torch(q, k_cache, v_cache, block_tables, token_req, positions, *,
+                                 scale, schedule: str | None = None):
+    import torch
+
+    _check(q, k_cache, v_cache)
+    require_cuda_tensors("paged_attention_triton_torch", q, k_cache, v_cache, block_tables)
+    q, k_cache, v_cache = contiguous(q), contiguous(k_cache), contiguous(v_cache)
+    block_tables = contiguous(block_tables.to(torch.int32))
+    positions = contiguous(positions.to(torch.int32))
+    t = q.shape[0]
+    c = _constexprs(q, k_cache)
+    page_size, width = k_cache.shape[1], block_tables.shape[1]
+    tiles = tiles_torch(token_req, positions, c["TPP"])
+    inputs = (q, k_cache, v_cache, block_tables, positions, tiles, t, page_size, width,
+              float(scale))
+    out = torch.empty_like(q)
+    if t == 0:
+        return out
+    launch = dict(num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False)
+    k = kernels()
+    if (schedule or schedule_for(t)) == "serial":
+        torch_launch(k.attention_serial_kernel, inputs, (out,), (t, c["HKV"]), **launch, **c)
+        return out
+    nsplit = cdiv(page_size * width, SPLIT)
+    n = t * c["HKV"] * nsplit * c["TPP"] * c["GP"]
+    parts = (torch.empty(n, dtype=torch.float32, device=q.device),
+             torch.empty(n, dtype=torch.float32, device=q.device),
+             torch.empty(n, c["D"], dtype=torch.float32, device=q.device))
+    torch_launch(k.attention_split_kernel, inputs, parts, (t, c["HKV"], nsplit), **launch, **c,
+                 NSPLIT=nsplit)
+    torch_launch(k.attention_combine_kernel, (positions, tiles, t, *parts), (out,),
+                 (t, c["HKV"]), **launch, **_combine_constexprs(c), NSPLIT=nsplit)
+    return out
+
+
+def dense_causal_attention_triton_torch(q, k, v, *, scale, schedule: str | None = None):
+    """The trainer's twin of dense_causal_attention_triton (same kernel, torch tensors)."""
+    import torch
+
+    b, s, hq, d = q.shape
+    token_req, positions, table = (torch.from_numpy(a).to(q.device) for a in _dense_as_pages(b, s))
+    out = paged_attention_triton_torch(q.reshape(b * s, hq, d), k, v, table, token_req, positions,
+                                       scale=scale, schedule=schedule)
+    return out.reshape(b, s, hq, d)
+
+
+if triton_available():
+    # TUNED + 2: above xla_native (TUNED + 1), so --numerics auto plans it on a GPU too.
+    register("attention", "paged", "triton_fixed_split", formats=FORMATS, hardware={"gpu"},
+             priority=Priority.TUNED + 2, **INVARIANT)(paged_attention_triton)
+    register("attention", "dense_causal", "triton_fixed_split", formats=FORMATS, hardware={"gpu"},
+             priority=Priority.TUNED + 2, **INVARIANT)(dense_causal_attention_triton)

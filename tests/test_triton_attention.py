@@ -1,0 +1,158 @@
+"""The Triton attention leaf's logic, on the CPU, under Triton's interpreter.
+
+What the interpreter can show (numpy arithmetic, not the GPU's): the kernels compute attention
+(against a float64 reference), the serial and split schedules give the same bits, a token's output
+does not change with how its request is chunked or what shares the step, unused KV slots (NaN here)
+never leak in, and the dense-causal twin equals the paged form. The GPU's own bits are checked by
+scripts/gpu_validate.py on the H200 (docs/gpu-validation.md). Skipped where triton or torch is
+missing; `tiles_jax == tiles_torch` needs only torch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests import triton_interpreter  # noqa: F401  (must precede the kernel import)
+from tests.bits import count_bit_differences
+
+torch = pytest.importorskip("torch")
+if not triton_interpreter.AVAILABLE:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+from pallas_kernels import triton_attention as ta  # noqa: E402
+
+# Rows not live in a split compute exp(-inf - -inf) = NaN, which tl.where then discards.
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered in subtract")
+
+HQ, HKV, D, PAGE = 4, 2, 16, 8
+SCALE = D ** -0.5
+
+
+def _pool(rng, lengths, num_pages=64):
+    """K/V pool [num_pages, PAGE, HKV, D] (f32, unused slots NaN), each request on shuffled pages."""
+    k = np.full((num_pages, PAGE, HKV, D), np.nan, np.float32)
+    v = np.full_like(k, np.nan)
+    free = list(rng.permutation(np.arange(1, num_pages)))  # page 0 is the null page
+    tables, seqs = [], []
+    width = max(-(-n // PAGE) for n in lengths)
+    for n in lengths:
+        pages = [free.pop() for _ in range(-(-n // PAGE))]
+        kk = rng.standard_normal((n, HKV, D)).astype(np.float32)
+        vv = rng.standard_normal((n, HKV, D)).astype(np.float32)
+        for pos in range(n):
+            k[pages[pos // PAGE], pos % PAGE] = kk[pos]
+            v[pages[pos // PAGE], pos % PAGE] = vv[pos]
+        tables.append(pages + [0] * (width - len(pages)))
+        seqs.append((kk, vv))
+    return torch.from_numpy(k), torch.from_numpy(v), torch.tensor(tables, dtype=torch.int32), seqs
+
+
+def _step(q_rows, table, rows, schedule=None):
+    """rows: list of (request, position) in step order -> output [T, HQ, D] (numpy)."""
+    req = torch.tensor([r for r, _ in rows], dtype=torch.int32)
+    pos = torch.tensor([p for _, p in rows], dtype=torch.int32)
+    return ta.paged_attention_triton_torch(q_rows, *table, req, pos, scale=SCALE,
+                                           schedule=schedule).numpy()
+
+
+@pytest.fixture(scope="module")
+def setup():
+    rng = np.random.default_rng(0)
+    lengths = [45, 300, 17]  # 300 > SPLIT: several splits
+    k, v, tables, seqs = _pool(rng, lengths)
+    q = {r: rng.standard_normal((n, HQ, D)).astype(np.float32) for r, n in enumerate(lengths)}
+    return k, v, tables, seqs, q, lengths
+
+
+def _q(q, rows):
+    return torch.from_numpy(np.stack([q[r][p] for r, p in rows]))
+
+
+def _reference(q, kk, vv, pos):
+    qd = q.astype(np.float64)
+    kr = np.repeat(kk[: pos + 1].astype(np.float64), HQ // HKV, axis=1)
+    vr = np.repeat(vv[: pos + 1].astype(np.float64), HQ // HKV, axis=1)
+    s = np.einsum("hd,chd->hc", qd, kr) * SCALE
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("hc,chd->hd", p / p.sum(-1, keepdims=True), vr)
+
+
+def test_matches_float64_reference(setup):
+    k, v, tables, seqs, q, lengths = setup
+    rows = [(1, p) for p in range(0, 300, 37)] + [(0, 44), (2, 0), (2, 16)]
+    out = _step(_q(q, rows), (k, v, tables), rows)
+    assert np.isfinite(out).all(), "NaN from an unused KV slot leaked into the output"
+    for i, (r, p) in enumerate(rows):
+        ref = _reference(q[r][p], *seqs[r], p)
+        # f32 inputs, f32 arithmetic over <= 300 positions: 1e-5 absolute is ~100 ulp of |o| <= 4.
+        np.testing.assert_allclose(out[i], ref, atol=1e-5, rtol=0)
+
+
+def test_serial_and_split_schedules_agree_bitwise(setup):
+    k, v, tables, seqs, q, lengths = setup
+    rows = [(0, p) for p in range(45)] + [(1, p) for p in range(250, 300)] + [(2, p) for p in range(17)]
+    serial = _step(_q(q, rows), (k, v, tables), rows, schedule="serial")
+    split = _step(_q(q, rows), (k, v, tables), rows, schedule="split")
+    assert count_bit_differences(serial, split) == 0
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+def test_chunking_and_co_batching_do_not_change_a_row(setup, chunk):
+    k, v, tables, seqs, q, lengths = setup
+    whole_rows = [(1, p) for p in range(260, 300)]
+    whole = _step(_q(q, whole_rows), (k, v, tables), whole_rows)
+    pieces = []
+    for start in range(260, 300, chunk):
+        mine = [(1, p) for p in range(start, min(start + chunk, 300))]
+        others = [(0, 44), (0, 43)] if start % 2 else [(2, 5)]  # different neighbours each step
+        rows = others[:1] + mine + others[1:]
+        out = _step(_q(q, rows), (k, v, tables), rows)
+        pieces.append(out[1:1 + len(mine)])
+    assert count_bit_differences(whole, np.concatenate(pieces)) == 0
+
+
+def test_dense_causal_twin_equals_the_paged_form(setup):
+    k, v, tables, seqs, q, lengths = setup
+    n = lengths[0]
+    kk, vv = seqs[0]
+    dense = ta.dense_causal_attention_triton_torch(
+        torch.from_numpy(q[0][None]), torch.from_numpy(kk[None]), torch.from_numpy(vv[None]),
+        scale=SCALE).numpy()[0]
+    rows = [(0, p) for p in range(n)]
+    paged = _step(_q(q, rows), (k, v, tables), rows)
+    assert count_bit_differences(dense, paged) == 0
+
+
+def test_negative_control_another_split_size_changes_the_bits(setup, monkeypatch):
+    """The comparisons above can fail: the same rows with SPLIT = 64 instead of 256 differ."""
+    k, v, tables, seqs, q, lengths = setup
+    rows = [(1, p) for p in range(280, 300)]
+    before = _step(_q(q, rows), (k, v, tables), rows)
+    monkeypatch.setattr(ta, "SPLIT", 64)
+    after = _step(_q(q, rows), (k, v, tables), rows)
+    assert count_bit_differences(before, after) > 0
+
+
+def test_tiles_are_the_same_from_jax_and_torch():
+    import jax.numpy as jnp
+
+    token_req = np.array([0, 0, 0, 0, 0, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 7, 7, 7], np.int32)
+    positions = np.concatenate([np.arange(5), [9, 10], np.arange(20, 28), [0, 0, 0]]).astype(np.int32)
+    for tpp in (1, 2, 4, 8):
+        a = np.asarray(ta.tiles_jax(jnp.asarray(token_req), jnp.asarray(positions), tpp))
+        b = ta.tiles_torch(torch.from_numpy(token_req), torch.from_numpy(positions), tpp).numpy()
+        np.testing.assert_array_equal(a, b)
+        count = a[1]
+        assert count.sum() == len(token_req) and (count <= tpp).all()
+        for start, n, req, max_pos in a.T[count > 0]:
+            assert (token_req[start:start + n] == req).all()  # one request per tile
+            assert max_pos == positions[start:start + n].max()
+
+
+def test_geometry_names_the_bad_field():
+    with pytest.raises(ValueError, match="head_dim=96"):
+        ta.geometry(8, 2, 96)
+    with pytest.raises(ValueError, match="num_key_value_heads=3"):
+        ta.geometry(8, 3, 64)
+    assert ta.geometry(32, 8, 128)["TPP"] * ta.geometry(32, 8, 128)["GP"] == 16
