@@ -2,7 +2,8 @@
 
 This module imports triton at the top, so only the leaf modules (triton_gemm.py, triton_norm.py,
 triton_activation.py, triton_sampling.py) import it, lazily, on first call. Everything here is a
-pure function of static shapes: no autotuning, no split-K, no tile chosen by the row count.
+pure function of static shapes: no autotuning, no tile chosen by the row count, and where a kernel
+has two schedules (split-K GEMM, split attention) both give the same bits.
 
 Why one source and not two implementations: jax-triton compiles a `triton.jit` function with the
 installed Triton, and torch launches the same function through Triton's own launcher, so the two
@@ -10,9 +11,10 @@ hosts run the same PTX (measured: 0 differing outputs; platform-facts.md). A tra
 torch launchers gets the engine's bits, not a re-implementation's.
 
 Arithmetic choices that keep the bits independent of the row count and faithful to the HF forms:
-* GEMM: a fixed (BM, BN, BK) tile per static (N, K, dtype); each output tile accumulates over K in
-  order, BK at a time, in an f32 accumulator; rows outside M are loaded as zeros and never stored.
-  A row is one row of the MMA, so its products and sums never touch its neighbours.
+* GEMM: a fixed (BM, BN, BK, KSPLIT) tile per static (N, K, dtype); each of KSPLIT fixed K chunks
+  accumulates in order, BK at a time, in a fresh f32 accumulator, and the chunk sums are added in
+  order; rows outside M are loaded as zeros and never stored. A row is one row of the MMA, so its
+  products and sums never touch its neighbours.
 * f32 operands use input_precision="ieee" (Triton's default for f32 is TF32).
 * exp and rsqrt are libdevice's (__nv_expf, __nv_rsqrtf): the functions torch CUDA and XLA call;
   Triton's own tl.exp is ex2.approx. Division is div_rn (IEEE); Triton's `/` is div.full (approx).
@@ -32,14 +34,54 @@ from triton.language.extra import libdevice
 # -- GEMM ------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _gemm_chunk(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, k_lo,
+                N: tl.constexpr, K: tl.constexpr, KC: tl.constexpr, IEEE_F32: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """x[:, k_lo:k_lo+KC] @ w[k_lo:k_lo+KC, :] for one tile: a fresh f32 accumulator, K in order,
+    BK at a time."""
+    offs_k = tl.arange(0, BK)
+    x_ptrs = x_ptr + rm[:, None] * K + (k_lo + offs_k)[None, :]
+    w_ptrs = w_ptr + (k_lo + offs_k)[:, None] * N + offs_n[None, :]
+    EVEN_K: tl.constexpr = KC % BK == 0
+    EVEN_N: tl.constexpr = N % BN == 0
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, KC, BK):  # KC is static: a fixed trip count, k blocks in order
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=row_ok, other=0.0)
+            if EVEN_N:
+                b = tl.load(w_ptrs)
+            else:
+                b = tl.load(w_ptrs, mask=col_ok, other=0.0)
+        else:
+            k_ok = (k_lo + k0 + offs_k) < K
+            a = tl.load(x_ptrs, mask=row_ok & k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok, other=0.0)
+        if IEEE_F32:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        x_ptrs += BK
+        w_ptrs += BK * N
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def fixed_tile_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, M, out_ptr,
     N: tl.constexpr, K: tl.constexpr,
     HAS_BIAS: tl.constexpr, IEEE_F32: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    KSPLIT: tl.constexpr, PARTIAL: tl.constexpr,
 ):
-    """out[M, N] = cast(x[M, K] @ w[K, N] (+ bias[N]) in f32). Row-major, contiguous operands."""
+    """out[M, N] = cast(x[M, K] @ w[K, N] (+ bias[N]) in f32). Row-major, contiguous operands.
+
+    K is cut into KSPLIT fixed chunks; each chunk's product starts from a zero accumulator and the
+    chunk sums are added in order: ((c0 + c1) + c2) + ... Serial schedule (PARTIAL=False): one
+    program does every chunk and the epilogue. Split schedule (PARTIAL=True, grid axis 1 = chunk):
+    each program stores its chunk's f32 sum to out_ptr[chunk, M, N] and gemm_reduce_kernel adds
+    them in the same order. Same operations either way, so the same bits.
+    """
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n: tl.constexpr = (N + BN - 1) // BN
@@ -53,41 +95,44 @@ def fixed_tile_gemm_kernel(
 
     # 64-bit arithmetic only in the scalar tile base; in-tile offsets stay 32-bit (fewer registers).
     x_ptr += pid_m.to(tl.int64) * (BM * K)
-    out_ptr += pid_m.to(tl.int64) * (BM * N)
     rows_here = M - pid_m * BM
     rm = tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_k = tl.arange(0, BK)
-    x_ptrs = x_ptr + rm[:, None] * K + offs_k[None, :]
-    w_ptrs = w_ptr + offs_k[:, None] * N + offs_n[None, :]
     row_ok = rm[:, None] < rows_here
     col_ok = offs_n[None, :] < N
-    EVEN_K: tl.constexpr = K % BK == 0
-    EVEN_N: tl.constexpr = N % BN == 0
+    KC: tl.constexpr = K // KSPLIT
+    if PARTIAL:
+        chunk = tl.program_id(1)
+        acc = _gemm_chunk(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, chunk * KC, N, K, KC,
+                          IEEE_F32, BM, BN, BK)
+        part = out_ptr + chunk.to(tl.int64) * M * N + pid_m.to(tl.int64) * (BM * N)
+        tl.store(part + rm[:, None] * N + offs_n[None, :], acc, mask=row_ok & col_ok)
+    else:
+        acc = _gemm_chunk(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, 0, N, K, KC, IEEE_F32,
+                          BM, BN, BK)
+        for c in tl.static_range(1, KSPLIT):
+            acc = acc + _gemm_chunk(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, c * KC, N, K, KC,
+                                    IEEE_F32, BM, BN, BK)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+            acc = acc + bias[None, :]
+        out_ptr += pid_m.to(tl.int64) * (BM * N)
+        tl.store(out_ptr + rm[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=row_ok & col_ok)
 
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):  # K is static: a fixed trip count, k blocks in order
-        if EVEN_K:
-            a = tl.load(x_ptrs, mask=row_ok, other=0.0)
-            if EVEN_N:
-                b = tl.load(w_ptrs)
-            else:
-                b = tl.load(w_ptrs, mask=col_ok, other=0.0)
-        else:
-            k_ok = (k0 + offs_k) < K
-            a = tl.load(x_ptrs, mask=row_ok & k_ok[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok, other=0.0)
-        if IEEE_F32:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        x_ptrs += BK
-        w_ptrs += BK * N
+
+@triton.jit(do_not_specialize=["M"])
+def gemm_reduce_kernel(part_ptr, bias_ptr, M, out_ptr, N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       KSPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """The split schedule's epilogue: chunk sums added in chunk order, + bias, rounded once."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < M * N
+    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
+    for c in tl.static_range(1, KSPLIT):
+        acc = acc + tl.load(part_ptr + c * M * N + offs, mask=ok, other=0.0)
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-        acc = acc + bias[None, :]
-    out_ptrs = out_ptr + rm[:, None] * N + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok & col_ok)
+        acc = acc + tl.load(bias_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 # -- the halving tree ------------------------------------------------------------------------------

@@ -3,11 +3,17 @@
 Signature (pallas_kernels/gemm.py): ``fn(x[M, K], w[K, N], bias=None, *, out_dtype) -> [M, N]``;
 f32 accumulation, optional bias added to the f32 accumulator, one rounding to ``out_dtype``.
 
-Why a row's bits never depend on M: the tile (BM, BN, BK), warps and stages are a function of the
-static (N, K, dtype) alone (`tile_for`), K is walked in order BK at a time with no split-K, and a row
-is one row of each MMA, so changing M only changes how many tiles are launched. Measured on the
-H200 (docs/gpu-validation.md): rows computed at M = 1, 2, 3, 7, 64, 512 are bit-identical, and the
-jax-triton and torch launches agree bit for bit.
+Why a row's bits never depend on M: the tile (BM, BN, BK, KSPLIT), warps and stages are a function
+of the static (N, K, dtype) alone (`tile_for`); K is cut into KSPLIT fixed chunks, each walked in
+order BK at a time from a zero accumulator, and the chunk sums are added in chunk order; a row is
+one row of each MMA, so changing M only changes how many tiles are launched.
+
+Two schedules compute exactly that: `serial` (one program per output tile does every chunk) and
+`split` (one program per tile and chunk, then gemm_reduce_kernel). Small M has too few output tiles
+to fill the GPU, so it takes `split`; the choice depends on M, the bits do not (the row-invariance
+check in scripts/gpu_validate.py compares M = 1, 2, 3, 7 and 64 -- split -- with M = 512 -- serial).
+Measured on the H200 (docs/gpu-validation.md): rows bit-identical across M, and the jax-triton and
+torch launches agree bit for bit.
 
 `gemm_triton` is the JAX leaf; `gemm_triton_torch` launches the very same kernel on torch CUDA
 tensors, for the trainer. Registration happens only where triton and jax-triton are importable.
@@ -38,10 +44,12 @@ class GemmTile:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 4
+    k_split: int = 1  # fixed K chunks; K must be a multiple of k_split * block_k when > 1
 
     def describe(self) -> str:
+        split = f" k{self.k_split}" if self.k_split > 1 else ""
         return (f"BM{self.block_m}xBN{self.block_n}xBK{self.block_k} g{self.group_m} "
-                f"w{self.num_warps} s{self.num_stages}")
+                f"w{self.num_warps} s{self.num_stages}{split}")
 
 
 # bf16 default: one warpgroup (wgmma m64), 64-deep K steps.
@@ -52,12 +60,17 @@ DEFAULT_F32_TILE = GemmTile(32, 32, 32, group_m=8, num_warps=4, num_stages=2)
 # Per-shape tiles for bf16, keyed by (N, K): the Llama-3-8B projections, chosen from the H200 tile
 # sweep (scripts/triton_tile_sweep.py; docs/performance.md has the timings). Each is one tile for
 # every M, so each trades decode (M <= 256, weight-streaming bound) against prefill (M = 4096).
+# k_split gives small-M steps (decode) enough programs: at M <= 64 q_proj has 32 output tiles for
+# 132 SMs; split 4 ways it has 128.
 TUNED_BF16_TILES: dict[tuple[int, int], GemmTile] = {
-    (4096, 4096): GemmTile(64, 128, 128, num_warps=4, num_stages=3),  # q_proj, o_proj
-    (1024, 4096): GemmTile(64, 64, 128, num_warps=4, num_stages=6),  # k_proj, v_proj (8 kv heads)
-    (14336, 4096): GemmTile(128, 128, 64, num_warps=8, num_stages=4),  # gate_proj, up_proj
-    (4096, 14336): GemmTile(64, 64, 128, num_warps=4, num_stages=6),  # down_proj
+    (4096, 4096): GemmTile(64, 128, 128, num_warps=4, num_stages=3, k_split=4),  # q_proj, o_proj
+    (1024, 4096): GemmTile(64, 64, 128, num_warps=4, num_stages=6, k_split=8),  # k_proj, v_proj
+    (14336, 4096): GemmTile(128, 128, 64, num_warps=8, num_stages=4, k_split=2),  # gate, up
+    (4096, 14336): GemmTile(64, 64, 128, num_warps=4, num_stages=6, k_split=4),  # down_proj
 }
+# Below this many output tiles a step runs the split schedule (when the tile has k_split > 1).
+SPLIT_BELOW_TILES = 128
+REDUCE_BLOCK = 1024
 # Wide outputs (LM heads): 128x256 tiles matched cuBLAS from M = 1 to 4096 at N = 131072.
 WIDE_BF16_TILE = GemmTile(128, 256, 64, num_warps=8, num_stages=3)
 WIDE_N = 32768
@@ -91,27 +104,57 @@ def _check(x, w, bias, out_dtype) -> tuple[int, int, int]:
     return m, k, n
 
 
-def _constexprs(m, k, n, dtype, bias, tile: GemmTile):
-    grid = (cdiv(m, tile.block_m) * cdiv(n, tile.block_n),)
+def _check_tile(k: int, tile: GemmTile) -> None:
+    if tile.k_split > 1 and k % (tile.k_split * tile.block_k):
+        raise ValueError(f"gemm: K={k} is not a multiple of k_split * block_k = "
+                         f"{tile.k_split} * {tile.block_k} ({tile.describe()})")
+
+
+def schedule_for(m: int, n: int, tile: GemmTile, schedule: str | None = None) -> str:
+    if schedule:
+        return schedule
+    tiles = cdiv(m, tile.block_m) * cdiv(n, tile.block_n)
+    return "split" if tile.k_split > 1 and tiles < SPLIT_BELOW_TILES else "serial"
+
+
+def _launches(m, k, n, dtype, bias, tile: GemmTile, schedule: str):
+    """(grid, constexprs) of the GEMM kernel and, for the split schedule, of the reduce kernel."""
     consts = dict(N=n, K=k, HAS_BIAS=bias is not None, IEEE_F32=dtype_name(dtype) == "f32",
-                  BM=tile.block_m, BN=tile.block_n, BK=tile.block_k, GROUP_M=tile.group_m)
-    return grid, consts
+                  BM=tile.block_m, BN=tile.block_n, BK=tile.block_k, GROUP_M=tile.group_m,
+                  KSPLIT=tile.k_split, PARTIAL=schedule == "split")
+    tiles = cdiv(m, tile.block_m) * cdiv(n, tile.block_n)
+    if schedule == "serial":
+        return ((tiles,), consts), None
+    reduce = dict(N=n, HAS_BIAS=bias is not None, KSPLIT=tile.k_split, BLOCK=REDUCE_BLOCK)
+    return ((tiles, tile.k_split), consts), ((cdiv(m * n, REDUCE_BLOCK),), reduce)
 
 
-def gemm_triton(x, w, bias=None, *, out_dtype, tile: GemmTile | None = None):
+def gemm_triton(x, w, bias=None, *, out_dtype, tile: GemmTile | None = None,
+                schedule: str | None = None):
     """JAX leaf: the fixed-tile kernel through jax-triton (works inside and outside jit)."""
     m, k, n = _check(x, w, bias, out_dtype)
     tile = tile or tile_for(n, k, x.dtype)
+    _check_tile(k, tile)
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
-    grid, consts = _constexprs(m, k, n, x.dtype, bias, tile)
+    schedule = schedule_for(m, n, tile, schedule)
+    (grid, consts), reduce = _launches(m, k, n, x.dtype, bias, tile, schedule)
     out = jax.ShapeDtypeStruct((m, n), jnp.dtype(out_dtype))
     # No bias: any array stands in for the pointer; HAS_BIAS=False means it is never read.
-    return jax_launch(kernels().fixed_tile_gemm_kernel, (x, w, w if bias is None else bias, m),
-                      out, grid, num_warps=tile.num_warps, num_stages=tile.num_stages, **consts)
+    b = w if bias is None else bias
+    warps = dict(num_warps=tile.num_warps, num_stages=tile.num_stages)
+    if reduce is None:
+        return jax_launch(kernels().fixed_tile_gemm_kernel, (x, w, b, m), out, grid, **warps,
+                          **consts)
+    parts = jax.ShapeDtypeStruct((tile.k_split, m, n), jnp.float32)
+    parts = jax_launch(kernels().fixed_tile_gemm_kernel, (x, w, b, m), parts, grid, **warps,
+                       **consts)
+    return jax_launch(kernels().gemm_reduce_kernel, (parts, b, m), out, reduce[0], num_warps=4,
+                      num_stages=1, **reduce[1])
 
 
-def gemm_triton_torch(x, w, bias=None, *, out_dtype, tile: GemmTile | None = None):
+def gemm_triton_torch(x, w, bias=None, *, out_dtype, tile: GemmTile | None = None,
+                      schedule: str | None = None):
     """The trainer's twin: the same kernel launched by Triton on torch CUDA tensors."""
     import torch
 
@@ -119,12 +162,22 @@ def gemm_triton_torch(x, w, bias=None, *, out_dtype, tile: GemmTile | None = Non
     require_cuda_tensors("gemm_triton_torch", x, w, bias)
     x, w, bias = contiguous(x), contiguous(w), contiguous(bias)
     tile = tile or tile_for(n, k, x.dtype)
+    _check_tile(k, tile)
     out = torch.empty((m, n), dtype=torch_dtype(out_dtype), device=x.device)
     if m == 0:
         return out
-    grid, consts = _constexprs(m, k, n, x.dtype, bias, tile)
-    torch_launch(kernels().fixed_tile_gemm_kernel, (x, w, w if bias is None else bias, m), (out,),
-                 grid, num_warps=tile.num_warps, num_stages=tile.num_stages, **consts)
+    schedule = schedule_for(m, n, tile, schedule)
+    (grid, consts), reduce = _launches(m, k, n, x.dtype, bias, tile, schedule)
+    b = w if bias is None else bias
+    warps = dict(num_warps=tile.num_warps, num_stages=tile.num_stages)
+    if reduce is None:
+        torch_launch(kernels().fixed_tile_gemm_kernel, (x, w, b, m), (out,), grid, **warps,
+                     **consts)
+        return out
+    parts = torch.empty((tile.k_split, m, n), dtype=torch.float32, device=x.device)
+    torch_launch(kernels().fixed_tile_gemm_kernel, (x, w, b, m), (parts,), grid, **warps, **consts)
+    torch_launch(kernels().gemm_reduce_kernel, (parts, b, m), (out,), reduce[0], num_warps=4,
+                 num_stages=1, **reduce[1])
     return out
 
 
