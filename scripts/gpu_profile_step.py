@@ -1,0 +1,127 @@
+"""Where one decode step's time goes: a jax.profiler trace of the real ModelRunner, summed by kernel.
+
+    python scripts/gpu_profile_step.py --numerics auto --batch 64 [--context 1024] [--out DIR]
+
+Builds the Llama-3-8B-shaped random-weight model of `jengine bench`, runs --steps decode steps
+under jax.profiler with a Perfetto trace, and sums the device events by name (no xprof needed).
+Writes profile_<numerics>_bs<batch>.md (top kernels, their share of the device time) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def build_runner(numerics: str, batch: int, context: int, shape: str):
+    from jengine.bench.common import SHAPES, _random_llama
+    from jengine.config import LaunchConfig
+    from jengine.numerics import resolve_launch
+
+    launch = LaunchConfig(numerics=numerics, max_running_requests=batch, max_prefill_tokens=16,
+                          context_length=context + 16, max_total_tokens=(batch + 1) * (context + 16),
+                          skip_warmup=True)
+    resolved = resolve_launch(launch)
+    resolved.apply_environment()
+    import pallas_kernels  # noqa: F401  (registers the Triton leaves)
+    from jengine.engine.model_runner import ModelRunner
+    from jengine.profiles import override_profile
+
+    base, padded = SHAPES[shape]
+    vocab = padded if numerics != "auto" else base["vocab_size"]
+    with override_profile("LlamaForCausalLM", numerics_envelopes={numerics}):
+        return ModelRunner(_random_llama(base, vocab), resolved)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--numerics", default="auto")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--shape", default="llama3-8b", help="small: a CPU smoke test of this script")
+    p.add_argument("--tag", default="", help="suffix of the output file (e.g. an XLA flag variant)")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    import jax
+    import numpy as np
+
+    from jengine.engine.batch import StepBatch
+
+    runner = build_runner(args.numerics, args.batch, args.context, args.shape)
+    bs, ps = args.batch, runner.page_size
+    pages = -(-(args.context + 1) // ps)
+    batch = StepBatch(input_ids=np.arange(bs) % 1000, positions=np.full(bs, args.context),
+                      token_req=np.arange(bs),
+                      block_tables=1 + np.arange(bs * pages, dtype=np.int32).reshape(bs, pages),
+                      hidden_rows=np.arange(bs))
+
+    def step():
+        jax.block_until_ready(runner.compute_logits(runner.forward(batch)))
+
+    for _ in range(3):
+        step()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    wall_ms = (time.perf_counter() - t0) / args.steps * 1e3
+    logdir = f"/tmp/jprof_{args.numerics}_{bs}"
+    with jax.profiler.trace(logdir, create_perfetto_trace=True):
+        for _ in range(args.steps):
+            step()
+    path = sorted(glob.glob(f"{logdir}/**/*perfetto_trace.json.gz", recursive=True))[-1]
+    with gzip.open(path) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device_pids = ({pid for pid, n in names.items() if "GPU" in n or "gpu" in n}
+                   or set(names))  # no GPU (the CPU smoke test): every line
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    # A GPU process has several lines (streams, "XLA Ops", "XLA Modules"); each is summed apart so
+    # nested events are never added to their parents.
+    total = collections.Counter()
+    count = collections.Counter()
+    per_line = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in device_pids:
+            line = threads.get((e["pid"], e.get("tid")), str(e.get("tid")))
+            total[(line, e["name"])] += e.get("dur", 0)
+            count[(line, e["name"])] += 1
+            per_line[line] += e.get("dur", 0)
+    busiest = per_line.most_common(1)[0][0] if per_line else None
+    device_us = per_line[busiest] / args.steps if busiest else float("nan")
+    lines = [f"# decode step profile: numerics={args.numerics} batch={bs} context={args.context}",
+             "", f"XLA_FLAGS: {os.environ.get('XLA_FLAGS', '')}", "", f"kernels: {runner.kernels.describe()}",
+             f"wall per step (host included): {wall_ms:.2f} ms; device events per step: "
+             f"{device_us / 1e3:.2f} ms on line {busiest!r}", "",
+             "lines (ms/step): " + ", ".join(f"{k}: {v / args.steps / 1e3:.2f}"
+                                            for k, v in per_line.most_common(8)), "",
+             "| line | kernel | ms/step | share of busiest line | calls/step |",
+             "|---|---|---|---|---|"]
+    shown = [line for line, _ in per_line.most_common(4)]
+    for (line, name), us in total.most_common():
+        limit = 40 if line == busiest else 10
+        if line not in shown or sum(1 for l in lines if l.startswith(f"| {line[:30]} |")) >= limit:
+            continue
+        lines.append(f"| {line[:30]} | {name[:90]} | {us / args.steps / 1e3:.3f} | "
+                     f"{us / args.steps / device_us:.1%} | {count[(line, name)] / args.steps:.0f} |")
+    md = "\n".join(lines)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"profile_{args.numerics}_bs{bs}{args.tag}.md"), "w") as f:
+        f.write(md + "\n")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# One device call on the GPU machine, made of named steps, each under its own time limit; a table
+# of step results is written last. Carry .whl (jax-triton) and, optionally, .gpu_tiny (a copy of
+# ~/.cache/jengine holding the tiny model, so it is not regenerated there).
+#   bash scripts/gpu_run.sh "$OUT" attention harness harness_auto profile bench_decode
+# Everything a step writes comes back in $OUT/results.tar.gz (and summary.md).
+# Steps:
+#   attention      scripts/gpu_attention.py: Triton attention bits, accuracy, per-layer timings
+#   attention_timing  the same, timings only
+#   gemm           scripts/gpu_validate.py --only gemm: GEMM rows across M (split and serial
+#                  schedules), torch launch == JAX launch, error vs float64
+#   harness        jengine invariance --numerics rl-bitwise (tiny model, Triton leaves planned)
+#   harness_auto   the same under --numerics auto (the negative control: must diverge)
+#   profile        scripts/gpu_profile_step.py, auto and rl-bitwise, decode bs 64 ctx 1024
+#   profile_bs1    the same at batch 1
+#   profile_cmdbuf the profile with XLA command buffers for custom calls (an experiment)
+#   bench_decode   jengine bench --parts roofline model (decode bs 1/16/64/256 + 8k, prefill 4096)
+#   bench_leaves   jengine bench --parts roofline leaves (GEMM leaves per shape and M)
+#   bench_engine   the end-to-end Engine workload, auto and rl-bitwise
+#   bench_hf       the HF transformers generate peer
+#   align_<Arch>   scripts/gpu_align.sh for one family, e.g. align_LlamaForCausalLM
+set -u
+out=${1:-${OUT:-/tmp/out}}; shift
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+[ -d .gpu_tiny ] && export JENGINE_CACHE_DIR=$PWD/.gpu_tiny
+export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
+echo "| step | result | wall |" > "$out/summary.md"
+echo "|---|---|---|" >> "$out/summary.md"
+step() {  # step NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  local t0=$SECONDS
+  timeout "$secs" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "| $name | rc=$rc | $((SECONDS - t0)) s |" | tee -a "$out/summary.md"
+}
+for s in "$@"; do
+  case $s in
+    attention) step attention 240 python3 scripts/gpu_attention.py --out "$out" ;;
+    attention_timing) step attention_timing 150 python3 scripts/gpu_attention.py --skip-checks --out "$out" ;;
+    gemm) step gemm 150 python3 scripts/gpu_validate.py --skip-harness --only gemm --out "$out/val" ;;
+    harness) step harness 240 python3 -m jengine.cli invariance --numerics rl-bitwise --max-new-tokens 8 ;;
+    harness_auto) step harness_auto 150 python3 -m jengine.cli invariance --numerics auto --temperature 0 --max-new-tokens 8 ;;
+    profile)
+      step profile_auto 150 python3 scripts/gpu_profile_step.py --numerics auto --batch 64 --out "$out"
+      step profile_rl 150 python3 scripts/gpu_profile_step.py --numerics rl-bitwise --batch 64 --out "$out" ;;
+    profile_bs1)
+      step profile_bs1_auto 100 python3 scripts/gpu_profile_step.py --numerics auto --batch 1 --out "$out"
+      step profile_bs1_rl 100 python3 scripts/gpu_profile_step.py --numerics rl-bitwise --batch 1 --out "$out" ;;
+    profile_cmdbuf)  # the same with XLA command buffers (CUDA graphs) for custom calls too
+      XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL" step profile_cmdbuf_rl 150 python3 scripts/gpu_profile_step.py --numerics rl-bitwise --batch 64 --tag _cmdbuf --out "$out"
+      XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL" step profile_cmdbuf_auto 150 python3 scripts/gpu_profile_step.py --numerics auto --batch 64 --tag _cmdbuf --out "$out" ;;
+    bench_decode) step bench_decode 560 python3 -m jengine.cli bench --parts roofline model --iters 5 --part-timeout 60 model=240 --out "$out/bench_decode" ;;
+    bench_leaves) step bench_leaves 560 python3 -m jengine.cli bench --parts roofline leaves --iters 5 --part-timeout 120 leaves=420 --out "$out/bench_leaves" ;;
+    bench_engine) step bench_engine 400 python3 -m jengine.cli bench --parts engine --part-timeout 190 --out "$out/bench_engine" ;;
+    bench_hf) step bench_hf 200 python3 -m jengine.cli bench --parts hf --part-timeout 190 --out "$out/bench_hf" ;;
+    align_*) step "$s" 150 bash scripts/gpu_align.sh "$out/$s" "${s#align_}" ;;
+    *) echo "unknown step $s" | tee -a "$out/summary.md" ;;
+  esac
+done
+for f in "$out"/*.log; do echo "== $f"; tail -n 8 "$f"; done
+# The device tool returns at most 8 files: everything goes back as one archive plus the summary.
+tar czf /tmp/results.tar.gz -C "$out" . && find "$out" -mindepth 1 ! -name summary.md -delete \
+  && mv /tmp/results.tar.gz "$out/results.tar.gz"
+cat "$out/summary.md"
