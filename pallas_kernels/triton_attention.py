@@ -14,6 +14,11 @@ on the GPU).
 The dense-causal form (the trainer's [B, S, H, D] layout) is the same kernel reading each sequence
 as one KV page of S positions, so the trainer's twin and the engine's paged leaf agree bit for bit.
 
+head_dim must be a power of two >= 16. The paged leaf declares that as a plan constraint, so a
+model with another head_dim plans the next attention leaf at construction. The dense-causal leaf
+does not (trainer mode plans its twin table per device, before it knows a model): its twin raises
+naming head_dim, rather than silently giving bits the engine does not produce.
+
 These bits are *not* the portable `fixed_order` leaf's (pallas_kernels/attention.py, f32 p . v, one
 max over the whole context): on a GPU the rl-bitwise plan and trainer mode's twin table both pick
 this leaf, so engine and trainer move together. It is also registered above `xla_native` so that
@@ -47,12 +52,17 @@ def kernels():
     return _triton_attention_kernels
 
 
+def head_dim_supported(d) -> bool:
+    """tl.arange and tl.dot need a power of two >= 16 along the head dimension."""
+    return d >= 16 and d & (d - 1) == 0
+
+
 def geometry(hq: int, hkv: int, d: int) -> dict:
     """Static tile constants for a head layout. Raises naming the field if it is unsupported."""
     if hq % hkv:
         raise ValueError(f"attention: num_attention_heads={hq} is not a multiple of "
                          f"num_key_value_heads={hkv}")
-    if d < 16 or d & (d - 1):
+    if not head_dim_supported(d):
         raise ValueError(f"attention (Triton): head_dim={d} must be a power of two >= 16")
     g = hq // hkv
     gp = next_pow2(g)
@@ -223,8 +233,10 @@ def dense_causal_attention_triton_torch(q, k, v, *, scale, schedule: str | None 
 
 
 if triton_available():
-    # TUNED + 2: above xla_native (TUNED + 1), so --numerics auto plans it on a GPU too.
+    # TUNED + 2: above xla_native (TUNED + 1), so --numerics auto plans it on a GPU too. A model
+    # whose head_dim it cannot take plans the next leaf at construction instead.
     register("attention", "paged", "triton_fixed_split", formats=FORMATS, hardware={"gpu"},
-             priority=Priority.TUNED + 2, **INVARIANT)(paged_attention_triton)
+             priority=Priority.TUNED + 2, constraints={"head_dim": head_dim_supported},
+             **INVARIANT)(paged_attention_triton)
     register("attention", "dense_causal", "triton_fixed_split", formats=FORMATS, hardware={"gpu"},
              priority=Priority.TUNED + 2, **INVARIANT)(dense_causal_attention_triton)

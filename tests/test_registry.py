@@ -151,3 +151,26 @@ def test_the_plan_records_what_it_was_planned_for(reg):
     assert (p.family, p.name, p.hardware, p.required_features) == (
         "linear", "gemm", "cpu", frozenset({"batch_invariant"}))
     assert "linear.gemm -> invariant" in p.describe()
+
+
+def test_the_model_plans_attention_with_its_head_dim():
+    """A leaf constraining head_dim (the Triton attention on a GPU) serves only the head dims it
+    takes; for the others the model plans the next leaf at construction (here, on the global
+    registry, with a stand-in for the Triton leaf registered for the CPU and removed after)."""
+    import jax.numpy as jnp
+
+    from jengine.models.dense import ModelKernels
+    from pallas_kernels import triton_attention
+    from pallas_kernels.registry import REGISTRY
+
+    REGISTRY.register("attention", "paged", "standin_pow2_only", formats={"bf16"}, hardware={"cpu"},
+                      priority=Priority.VENDOR, features={"batch_invariant"},
+                      constraints={"head_dim": triton_attention.head_dim_supported})(lambda: None)
+    try:
+        plan = lambda d: ModelKernels.plan_for(dtype=jnp.bfloat16, hardware="cpu",  # noqa: E731
+                                               features={"batch_invariant"}, head_dim=d)
+        assert plan(128).attention.leaf.impl == "standin_pow2_only"
+        assert plan(96).attention.leaf.impl == "fixed_order"
+        assert plan(8).attention.leaf.impl == "fixed_order"
+    finally:
+        REGISTRY.unregister("attention", "paged", "standin_pow2_only")

@@ -50,7 +50,8 @@ class ModelRunner:
         self.resolved = resolved
         self.dtype = model_dtype(launch.dtype, cfg.torch_dtype or "bfloat16")
         self.kernels = ModelKernels.plan_for(dtype=self.dtype, hardware=resolved.hardware,
-                                             features=resolved.required_features)
+                                             features=resolved.required_features,
+                                             head_dim=cfg.head_dim)
         logger.info("kernel plans: %s", self.kernels.describe())
         self._graphdef, state = nnx.split(self._build_model(loaded.weights))
         # The jitted programs take the parameters as one flat tuple: jit flattens a tuple of arrays

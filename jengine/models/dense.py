@@ -35,15 +35,18 @@ class ModelKernels:
     attention: KernelPlan
 
     @classmethod
-    def plan_for(cls, *, dtype, hardware: str, features=frozenset()) -> "ModelKernels":
+    def plan_for(cls, *, dtype, hardware: str, features=frozenset(),
+                 head_dim: int | None = None) -> "ModelKernels":
+        """head_dim: the attention geometry, for leaves that constrain it (the Triton attention)."""
         fmt = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float32): "f32"}[jnp.dtype(dtype)]
         kw = dict(formats={fmt}, hardware=hardware, features=features)
+        attention_geometry = {} if head_dim is None else {"head_dim": head_dim}
         return cls(
             gemm=plan("linear", "gemm", **kw),
             rmsnorm=plan("norm", "rmsnorm", **kw),
             add_rmsnorm=plan("norm", "add_rmsnorm", **kw),
             silu=plan("activation", "silu", **kw),
-            attention=plan("attention", "paged", **kw),
+            attention=plan("attention", "paged", geometry=attention_geometry, **kw),
         )
 
     def describe(self) -> dict[str, str]:
