@@ -248,3 +248,42 @@ def test_generate_cli(capsys):
     assert len(out["output_ids"]) == 4 and out["meta_info"]["finish_reason"] == {"type": "length"}
     assert main(["generate", "--input-ids", "5,99999999", *common]) == 2
     assert "input_ids[1]=99999999" in capsys.readouterr().err
+
+
+def test_a_new_count_of_sampled_rows_compiles_nothing(eng):
+    """The engine's glue (ModelRunner.logits_at + the sampler) compiles per row *bucket*, not per
+    row count: after 5 rows (bucket 8), 6 and 7 rows reuse every program. The exact-shape path
+    (forward + compute_logits, for tools) compiles per count: the negative control that shows the
+    counter counts."""
+    from jengine.bench.e2e import _CompileClock  # counts XLA backend compiles while active
+
+    runner, sampler = eng.runner, eng.sampler
+    t = 16
+    batch = StepBatch(input_ids=np.arange(t) + 100, positions=np.arange(t), token_req=np.zeros(t),
+                      block_tables=[[1]], hidden_rows=[t - 1])
+    hidden = runner.forward_padded(batch)
+
+    def engine_glue(n):
+        zeros = np.zeros(n)
+        from jengine.engine.batch import SamplingRows
+
+        logits = runner.logits_at(hidden, np.arange(n))
+        sampler.sample(logits, SamplingRows(temperature=zeros, top_k=zeros - 1, top_p=zeros + 1,
+                                            min_p=zeros, seed=zeros, position=zeros))
+        sampler.token_logprobs(logits, np.zeros(n, np.int32))
+
+    engine_glue(5)
+    with _CompileClock() as c:
+        engine_glue(6)
+        engine_glue(7)
+    assert c.count == 0
+    with _CompileClock() as c:
+        np.asarray(runner.compute_logits(jnp_take(hidden, 6)))
+        np.asarray(runner.compute_logits(jnp_take(hidden, 7)))
+    assert c.count > 0
+
+
+def jnp_take(hidden, n):
+    import jax.numpy as jnp
+
+    return jnp.take(hidden, jnp.arange(n), axis=0)
