@@ -74,7 +74,6 @@ class ModelRunner:
         self.max_step_tokens = launch.max_prefill_tokens + launch.max_running_requests
 
         self._forward = jax.jit(self._forward_impl, donate_argnums=(1, 2))
-        self._logits = jax.jit(self._logits_impl)
         self._logits_rows = jax.jit(self._logits_rows_impl)
         self._copy = jax.jit(self._copy_impl, donate_argnums=(0, 1))
         self._write = jax.jit(self._write_impl, donate_argnums=(0, 1))
@@ -115,9 +114,6 @@ class ModelRunner:
     def _forward_impl(self, params, k_cache, v_cache, input_ids, positions, token_req,
                       block_tables):
         return self._model(params)(input_ids, positions, token_req, block_tables, k_cache, v_cache)
-
-    def _logits_impl(self, params, hidden):
-        return self._model(params).compute_logits(hidden)
 
     def _logits_rows_impl(self, params, hidden, rows):
         return self._model(params).compute_logits(hidden[rows])
@@ -167,10 +163,7 @@ class ModelRunner:
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """[n, H] -> [n, V] float32, computed in a padded bucket (rows are independent)."""
         n = hidden.shape[0]
-        n_pad = next_pow2(n, MIN_LOGIT_BUCKET)
-        if n_pad != n:
-            hidden = jnp.pad(hidden, ((0, n_pad - n), (0, 0)))
-        return self._logits(self._params, hidden)[:n]
+        return self.logits_at(hidden, np.arange(n))[:n]
 
     def logits_at(self, hidden_padded: jax.Array, rows) -> jax.Array:
         """Logits [n_pad, V] float32 of ``hidden_padded[rows]`` (n = len(rows) real rows first, then
