@@ -27,13 +27,13 @@ the tile's last row are loaded as zeros, so garbage in unused KV slots never ent
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-if os.environ.get("TRITON_INTERPRET") == "1":
+from pallas_kernels._triton_launch import interpreting
+
+if interpreting():
     # Triton's interpreter (the CPU tests' logic checks) has no libdevice; numpy's exp stands in.
     @triton.jit
     def _expf(x):

@@ -62,10 +62,10 @@ def _warm_step_programs(runner, sampler, args) -> float:
     prompt_pages = next_pow2(_pages(args.e2e_input, ps))
     full_pages = next_pow2(_pages(args.e2e_input + args.e2e_output, ps))
     shapes = {(t, full_pages) for t in token_buckets} | {(top_tokens, prompt_pages)}
-    for t, p in sorted(shapes):  # every row is padding: it writes only the null page
+    for t, p in sorted(shapes):  # every row is padding: no K/V is written
         batch = StepBatch(input_ids=np.zeros(t), positions=np.zeros(t), token_req=np.zeros(t),
                           block_tables=np.zeros((1, p)), hidden_rows=[0])
-        jax.block_until_ready(runner.forward(batch))
+        jax.block_until_ready(runner.forward_padded(batch))  # the engine's call
     _warm_row_glue(runner, sampler, min(E2E_MAX_RUNNING, args.e2e_requests), top_tokens)
     return time.time() - t0
 
