@@ -36,15 +36,15 @@ from triton.language.extra import libdevice
 
 @triton.jit
 def _gemm_chunk(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, k_lo,
-                N: tl.constexpr, K: tl.constexpr, KC: tl.constexpr, IEEE_F32: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                N, K: tl.constexpr, KC: tl.constexpr, IEEE_F32: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_N: tl.constexpr):
     """x[:, k_lo:k_lo+KC] @ w[k_lo:k_lo+KC, :] for one tile: a fresh f32 accumulator, K in order,
-    BK at a time."""
+    BK at a time. N (w's row stride) is a constexpr from fixed_tile_gemm_kernel and a runtime
+    value from grouped_gemm_kernel: it moves addresses only, never the arithmetic."""
     offs_k = tl.arange(0, BK)
     x_ptrs = x_ptr + rm[:, None] * K + (k_lo + offs_k)[None, :]
     w_ptrs = w_ptr + (k_lo + offs_k)[:, None] * N + offs_n[None, :]
     EVEN_K: tl.constexpr = KC % BK == 0
-    EVEN_N: tl.constexpr = N % BN == 0
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, KC, BK):  # KC is static: a fixed trip count, k blocks in order
         if EVEN_K:
@@ -66,6 +66,51 @@ def _gemm_chunk(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, k_lo,
     return acc
 
 
+@triton.jit
+def _gemm_tile(x_ptr, w_ptr, bias_ptr, out_ptr, M, pid_m, pid_n, chunk,
+               N, K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE_F32: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               KSPLIT: tl.constexpr, PARTIAL: tl.constexpr, EVEN_N: tl.constexpr):
+    """Output tile (pid_m, pid_n) of out[M, N] = x @ w: every chunk and the epilogue (serial), or
+    chunk `chunk`'s f32 sum into out_ptr[chunk, M, N] (split). The one body both GEMM kernels run."""
+    # 64-bit arithmetic only in the scalar tile base; in-tile offsets stay 32-bit (fewer registers).
+    x_ptr += pid_m.to(tl.int64) * (BM * K)
+    rows_here = M - pid_m * BM
+    rm = tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    row_ok = rm[:, None] < rows_here
+    col_ok = offs_n[None, :] < N
+    KC: tl.constexpr = K // KSPLIT
+    if PARTIAL:
+        acc = _gemm_chunk(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, chunk * KC, N, K, KC,
+                          IEEE_F32, BM, BN, BK, EVEN_N)
+        part = out_ptr + chunk.to(tl.int64) * M * N + pid_m.to(tl.int64) * (BM * N)
+        tl.store(part + rm[:, None] * N + offs_n[None, :], acc, mask=row_ok & col_ok)
+    else:
+        acc = _gemm_chunk(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, 0, N, K, KC, IEEE_F32,
+                          BM, BN, BK, EVEN_N)
+        for c in tl.static_range(1, KSPLIT):
+            acc = acc + _gemm_chunk(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, c * KC, N, K, KC,
+                                    IEEE_F32, BM, BN, BK, EVEN_N)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+            acc = acc + bias[None, :]
+        out_ptr += pid_m.to(tl.int64) * (BM * N)
+        tl.store(out_ptr + rm[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=row_ok & col_ok)
+
+
+@triton.jit
+def _tile_of(pid, M, NUM_PID_N: tl.constexpr, BM: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped launch order for L2 reuse. It decides which program computes which tile, never how a
+    tile is computed, so it may depend on M."""
+    num_pid_m = tl.cdiv(M, BM)
+    group = GROUP_M * NUM_PID_N
+    first_m = (pid // group) * GROUP_M
+    group_rows = min(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % group) % group_rows, (pid % group) // group_rows
+
+
 @triton.jit(do_not_specialize=["M"])
 def fixed_tile_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, M, out_ptr,
@@ -82,50 +127,49 @@ def fixed_tile_gemm_kernel(
     each program stores its chunk's f32 sum to out_ptr[chunk, M, N] and gemm_reduce_kernel adds
     them in the same order. Same operations either way, so the same bits.
     """
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BM)
-    num_pid_n: tl.constexpr = (N + BN - 1) // BN
-    # Grouped launch order for L2 reuse. It decides which program computes which tile, never how a
-    # tile is computed, so it may depend on M.
-    group = GROUP_M * num_pid_n
-    first_m = (pid // group) * GROUP_M
-    group_rows = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % group_rows
-    pid_n = (pid % group) // group_rows
-
-    # 64-bit arithmetic only in the scalar tile base; in-tile offsets stay 32-bit (fewer registers).
-    x_ptr += pid_m.to(tl.int64) * (BM * K)
-    rows_here = M - pid_m * BM
-    rm = tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    row_ok = rm[:, None] < rows_here
-    col_ok = offs_n[None, :] < N
-    KC: tl.constexpr = K // KSPLIT
-    if PARTIAL:
-        chunk = tl.program_id(1)
-        acc = _gemm_chunk(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, chunk * KC, N, K, KC,
-                          IEEE_F32, BM, BN, BK)
-        part = out_ptr + chunk.to(tl.int64) * M * N + pid_m.to(tl.int64) * (BM * N)
-        tl.store(part + rm[:, None] * N + offs_n[None, :], acc, mask=row_ok & col_ok)
-    else:
-        acc = _gemm_chunk(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, 0, N, K, KC, IEEE_F32,
-                          BM, BN, BK)
-        for c in tl.static_range(1, KSPLIT):
-            acc = acc + _gemm_chunk(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, c * KC, N, K, KC,
-                                    IEEE_F32, BM, BN, BK)
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-            acc = acc + bias[None, :]
-        out_ptr += pid_m.to(tl.int64) * (BM * N)
-        tl.store(out_ptr + rm[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=row_ok & col_ok)
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, (N + BN - 1) // BN, BM, GROUP_M)
+    chunk = tl.program_id(1)  # 0 on the serial schedule's 1-D grid
+    EVEN_N: tl.constexpr = N % BN == 0
+    _gemm_tile(x_ptr, w_ptr, bias_ptr, out_ptr, M, pid_m, pid_n, chunk, N, K, HAS_BIAS, IEEE_F32,
+               BM, BN, BK, KSPLIT, PARTIAL, EVEN_N)
 
 
 @triton.jit(do_not_specialize=["M"])
-def gemm_reduce_kernel(part_ptr, bias_ptr, M, out_ptr, N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       KSPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """The split schedule's epilogue: chunk sums added in chunk order, + bias, rounded once."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def grouped_gemm_kernel(
+    x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, M, out0_ptr, out1_ptr, out2_ptr,
+    N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE_F32: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    KSPLIT: tl.constexpr, PARTIAL: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """Two or three GEMMs of one x (q/k/v, gate/up) in one launch: out_i = x @ w_i (+ b_i).
+
+    The column tiles of the members are laid side by side; a program picks its member's pointers
+    and N, then runs _gemm_tile -- the body fixed_tile_gemm_kernel runs, with the same tile -- so
+    each output has the bits of its own launch (H200: scripts/gpu_validate.py "gemm group").
+    Selecting pointers rather than branching keeps one K loop in the program: a branch per member
+    gave each member its own pipeline buffers (2 x 144 KiB of shared memory, over the H200's
+    227 KiB). N2 = 0: two members (out2 unused). EVEN_N: every member's N is a multiple of BN.
+    """
+    T0: tl.constexpr = (N0 + BN - 1) // BN
+    T1: tl.constexpr = (N1 + BN - 1) // BN
+    T2: tl.constexpr = (N2 + BN - 1) // BN
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, T0 + T1 + T2, BM, GROUP_M)
+    in1 = pid_n >= T0
+    in2 = pid_n >= T0 + T1
+    w_ptr = tl.where(in2, w2_ptr, tl.where(in1, w1_ptr, w0_ptr))
+    b_ptr = tl.where(in2, b2_ptr, tl.where(in1, b1_ptr, b0_ptr))
+    out_ptr = tl.where(in2, out2_ptr, tl.where(in1, out1_ptr, out0_ptr))
+    n = tl.where(in2, N2, tl.where(in1, N1, N0))
+    first = tl.where(in2, T0 + T1, tl.where(in1, T0, 0))
+    _gemm_tile(x_ptr, w_ptr, b_ptr, out_ptr, M, pid_m, pid_n - first, tl.program_id(1), n, K,
+               HAS_BIAS, IEEE_F32, BM, BN, BK, KSPLIT, PARTIAL, EVEN_N)
+
+
+@triton.jit
+def _reduce_block(part_ptr, bias_ptr, M, out_ptr, block, N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  KSPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
     acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
     for c in tl.static_range(1, KSPLIT):
@@ -133,6 +177,31 @@ def gemm_reduce_kernel(part_ptr, bias_ptr, M, out_ptr, N: tl.constexpr, HAS_BIAS
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["M"])
+def gemm_reduce_kernel(part_ptr, bias_ptr, M, out_ptr, N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       KSPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """The split schedule's epilogue: chunk sums added in chunk order, + bias, rounded once."""
+    _reduce_block(part_ptr, bias_ptr, M, out_ptr, tl.program_id(0), N, HAS_BIAS, KSPLIT, BLOCK)
+
+
+@triton.jit(do_not_specialize=["M"])
+def grouped_reduce_kernel(p0_ptr, p1_ptr, p2_ptr, b0_ptr, b1_ptr, b2_ptr, M,
+                          out0_ptr, out1_ptr, out2_ptr,
+                          N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, KSPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """gemm_reduce_kernel for every member of a grouped GEMM, in one launch."""
+    pid = tl.program_id(0)
+    g0 = tl.cdiv(M * N0, BLOCK)
+    g1 = tl.cdiv(M * N1, BLOCK)
+    if pid < g0:
+        _reduce_block(p0_ptr, b0_ptr, M, out0_ptr, pid, N0, HAS_BIAS, KSPLIT, BLOCK)
+    elif pid < g0 + g1:
+        _reduce_block(p1_ptr, b1_ptr, M, out1_ptr, pid - g0, N1, HAS_BIAS, KSPLIT, BLOCK)
+    else:
+        if N2 > 0:
+            _reduce_block(p2_ptr, b2_ptr, M, out2_ptr, pid - g0 - g1, N2, HAS_BIAS, KSPLIT, BLOCK)
 
 
 # -- the halving tree ------------------------------------------------------------------------------

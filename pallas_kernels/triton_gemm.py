@@ -15,6 +15,11 @@ check in scripts/gpu_validate.py compares M = 1, 2, 3, 7 and 64 -- split -- with
 Measured on the H200 (docs/gpu-validation.md): rows bit-identical across M, and the jax-triton and
 torch launches agree bit for bit.
 
+Grouped form (`gemm_group_triton`, the leaf's `.grouped`): projections of one x that share a tile
+(q/k/v, gate/up) run as one launch whose programs each run the same tile body on their member, so
+every output has the bits of its own launch and the trainer's separate projections still match;
+it saves a launch per member and fills the GPU better at small M.
+
 `gemm_triton` is the JAX leaf; `gemm_triton_torch` launches the very same kernel on torch CUDA
 tensors, for the trainer. Registration happens only where triton and jax-triton are importable.
 """
@@ -62,9 +67,12 @@ DEFAULT_F32_TILE = GemmTile(32, 32, 32, group_m=8, num_warps=4, num_stages=2)
 # every M, so each trades decode (M <= 256, weight-streaming bound) against prefill (M = 4096).
 # k_split gives small-M steps (decode) enough programs: at M <= 64 q_proj has 32 output tiles for
 # 132 SMs; split 4 ways it has 128.
+# k/v_proj share q_proj's tile so that q/k/v run as one grouped launch (gemm_group_triton), which
+# needs one tile for every member.
+_QKV_4096 = GemmTile(64, 128, 128, num_warps=4, num_stages=3, k_split=4)
 TUNED_BF16_TILES: dict[tuple[int, int], GemmTile] = {
-    (4096, 4096): GemmTile(64, 128, 128, num_warps=4, num_stages=3, k_split=4),  # q_proj, o_proj
-    (1024, 4096): GemmTile(64, 64, 128, num_warps=4, num_stages=6, k_split=8),  # k_proj, v_proj
+    (4096, 4096): _QKV_4096,  # q_proj, o_proj
+    (1024, 4096): _QKV_4096,  # k_proj, v_proj
     (14336, 4096): GemmTile(128, 128, 64, num_warps=8, num_stages=4, k_split=2),  # gate, up
     (4096, 14336): GemmTile(64, 64, 128, num_warps=4, num_stages=6, k_split=4),  # down_proj
 }
@@ -180,6 +188,121 @@ def gemm_triton_torch(x, w, bias=None, *, out_dtype, tile: GemmTile | None = Non
                  num_stages=1, **reduce[1])
     return out
 
+
+# -- grouped: several projections of one x in one launch ------------------------------------------
+
+
+def group_tile(x, ws, biases, out_dtype) -> GemmTile | None:
+    """The one tile every member uses, or None when the members cannot share a launch (different
+    tiles, bias on some members only, or not 2-3 members): they then run one launch each."""
+    if len(ws) not in (2, 3) or (biases is not None and any(b is None for b in biases)):
+        return None
+    k = x.shape[1]
+    tiles = {tile_for(w.shape[1], k, x.dtype) for w in ws}
+    return tiles.pop() if len(tiles) == 1 else None
+
+
+def _group_launches(m, k, ns, dtype, has_bias, tile: GemmTile, schedule: str | None):
+    """(grid, constexprs) of grouped_gemm_kernel and, for the split schedule, of the grouped reduce."""
+    n0, n1, n2 = (*ns, 0)[:3]
+    col_tiles = sum(cdiv(n, tile.block_n) for n in ns)
+    schedule = schedule_for(m, col_tiles * tile.block_n, tile, schedule)
+    consts = dict(N0=n0, N1=n1, N2=n2, K=k, HAS_BIAS=has_bias, IEEE_F32=dtype_name(dtype) == "f32",
+                  BM=tile.block_m, BN=tile.block_n, BK=tile.block_k, GROUP_M=tile.group_m,
+                  KSPLIT=tile.k_split, PARTIAL=schedule == "split",
+                  EVEN_N=all(n % tile.block_n == 0 for n in ns))
+    tiles = cdiv(m, tile.block_m) * col_tiles
+    if schedule == "serial":
+        return ((tiles,), consts), None
+    reduce = dict(N0=n0, N1=n1, N2=n2, HAS_BIAS=has_bias, KSPLIT=tile.k_split, BLOCK=REDUCE_BLOCK)
+    blocks = sum(cdiv(m * n, REDUCE_BLOCK) for n in ns)
+    return ((tiles, tile.k_split), consts), ((blocks,), reduce)
+
+
+def _pad3(items, filler):
+    return (*items, filler) if len(items) == 2 else tuple(items)
+
+
+def gemm_group_triton(x, ws, biases=None, *, out_dtype, schedule: str | None = None):
+    """JAX: (x @ w_i (+ b_i) for each w_i) in one launch (+ one reduce), each output bit-identical
+    to gemm_triton(x, w_i, b_i): the same tile body with the same tile (group_tile). Members that
+    cannot share a tile run one gemm_triton each."""
+    for i, w in enumerate(ws):
+        _check(x, w, None if biases is None else biases[i], out_dtype)
+    tile = group_tile(x, ws, biases, out_dtype)
+    if tile is None:
+        return tuple(gemm_triton(x, w, None if biases is None else biases[i], out_dtype=out_dtype,
+                                 schedule=schedule) for i, w in enumerate(ws))
+    m, k = x.shape
+    ns = [w.shape[1] for w in ws]
+    _check_tile(k, tile)
+    if m == 0:
+        return tuple(jnp.zeros((0, n), out_dtype) for n in ns)
+    (grid, consts), reduce = _group_launches(m, k, ns, x.dtype, biases is not None, tile, schedule)
+    w3 = _pad3(tuple(ws), ws[0])
+    b3 = w3 if biases is None else _pad3(tuple(biases), biases[0])
+    # out2 of a two-member group: never written, but of the members' type (the kernel selects
+    # among the output pointers, which must share one).
+    unused = jax.ShapeDtypeStruct((1,), jnp.dtype(out_dtype))
+    unused_part = jax.ShapeDtypeStruct((1,), jnp.float32)
+    warps = dict(num_warps=tile.num_warps, num_stages=tile.num_stages)
+    outs = _pad3([jax.ShapeDtypeStruct((m, n), jnp.dtype(out_dtype)) for n in ns], unused)
+    if reduce is None:
+        res = jax_launch(kernels().grouped_gemm_kernel, (x, *w3, *b3, m), outs, grid, **warps,
+                         **consts)
+        return tuple(res[:len(ns)])
+    parts = _pad3([jax.ShapeDtypeStruct((tile.k_split, m, n), jnp.float32) for n in ns],
+                  unused_part)
+    parts = jax_launch(kernels().grouped_gemm_kernel, (x, *w3, *b3, m), parts, grid, **warps,
+                       **consts)
+    res = jax_launch(kernels().grouped_reduce_kernel, (*parts, *b3, m), outs, reduce[0],
+                     num_warps=4, num_stages=1, **reduce[1])
+    return tuple(res[:len(ns)])
+
+
+def gemm_group_triton_torch(x, ws, biases=None, *, out_dtype, schedule: str | None = None):
+    """The grouped launch on torch tensors (the trainer's separate gemm_triton_torch calls give the
+    same bits; this exists so that claim can be checked from one host)."""
+    import torch
+
+    for i, w in enumerate(ws):
+        _check(x, w, None if biases is None else biases[i], out_dtype)
+    tile = group_tile(x, ws, biases, out_dtype)
+    if tile is None:
+        return tuple(gemm_triton_torch(x, w, None if biases is None else biases[i],
+                                       out_dtype=out_dtype, schedule=schedule)
+                     for i, w in enumerate(ws))
+    require_cuda_tensors("gemm_group_triton_torch", x, *ws, *(biases or ()))
+    x = contiguous(x)
+    ws = [contiguous(w) for w in ws]
+    biases = None if biases is None else [contiguous(b) for b in biases]
+    m, k = x.shape
+    ns = [w.shape[1] for w in ws]
+    _check_tile(k, tile)
+    outs = [torch.empty((m, n), dtype=torch_dtype(out_dtype), device=x.device) for n in ns]
+    if m == 0:
+        return tuple(outs)
+    (grid, consts), reduce = _group_launches(m, k, ns, x.dtype, biases is not None, tile, schedule)
+    w3 = _pad3(tuple(ws), ws[0])
+    b3 = w3 if biases is None else _pad3(tuple(biases), biases[0])
+    unused = torch.empty(1, dtype=torch_dtype(out_dtype), device=x.device)
+    unused_part = torch.empty(1, dtype=torch.float32, device=x.device)
+    warps = dict(num_warps=tile.num_warps, num_stages=tile.num_stages)
+    if reduce is None:
+        torch_launch(kernels().grouped_gemm_kernel, (x, *w3, *b3, m), _pad3(outs, unused), grid,
+                     **warps, **consts)
+        return tuple(outs)
+    parts = [torch.empty((tile.k_split, m, n), dtype=torch.float32, device=x.device) for n in ns]
+    torch_launch(kernels().grouped_gemm_kernel, (x, *w3, *b3, m), _pad3(parts, unused_part), grid,
+                 **warps, **consts)
+    torch_launch(kernels().grouped_reduce_kernel, (*_pad3(parts, unused_part), *b3, m),
+                 _pad3(outs, unused), reduce[0], num_warps=4, num_stages=1, **reduce[1])
+    return tuple(outs)
+
+
+# The model asks a GEMM leaf for its grouped form (ModelKernels.gemm_group); leaves without one run
+# one call per member.
+gemm_triton.grouped = gemm_group_triton
 
 if triton_available():
     register("linear", "gemm", "triton_fixed_tile", formats=FORMATS, hardware={"gpu"},

@@ -65,7 +65,7 @@ def main() -> int:
                       hidden_rows=np.arange(bs))
 
     def step():
-        jax.block_until_ready(runner.compute_logits(runner.forward(batch)))
+        jax.block_until_ready(runner.logits_at(runner.forward_padded(batch), batch.hidden_rows))
 
     for _ in range(3):
         step()

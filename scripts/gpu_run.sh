@@ -16,6 +16,8 @@
 #   profile_cmdbuf the profile with XLA command buffers for custom calls (an experiment)
 #   bench_decode   jengine bench --parts roofline model (decode bs 1/16/64/256 + 8k, prefill 4096)
 #   bench_leaves   jengine bench --parts roofline leaves (GEMM leaves per shape and M)
+#   sweep_prefill  GEMM tiles with k_split for q/o and down_proj at M = 1, 64, 4096 (prefill leads)
+#   sweep_split    the same with the split schedule forced at every M (large-M leads)
 #   bench_engine   the end-to-end Engine workload, auto and rl-bitwise
 #   bench_hf       the HF transformers generate peer
 #   align_<Arch>   scripts/gpu_align.sh for one family, e.g. align_LlamaForCausalLM
@@ -40,8 +42,8 @@ for s in "$@"; do
   case $s in
     attention) step attention 240 python3 scripts/gpu_attention.py --out "$out" ;;
     attention_timing) step attention_timing 150 python3 scripts/gpu_attention.py --skip-checks --out "$out" ;;
-    gemm) step gemm 150 python3 scripts/gpu_validate.py --skip-harness --only gemm --out "$out/val" ;;
-    harness) step harness 240 python3 -m jengine.cli invariance --numerics rl-bitwise --max-new-tokens 8 ;;
+    gemm) step gemm 170 python3 scripts/gpu_validate.py --skip-harness --only gemm --out "$out/val" ;;
+    harness) step harness 170 python3 -m jengine.cli invariance --numerics rl-bitwise --max-new-tokens 8 ;;
     harness_auto) step harness_auto 150 python3 -m jengine.cli invariance --numerics auto --temperature 0 --max-new-tokens 8 ;;
     profile)
       step profile_auto 150 python3 scripts/gpu_profile_step.py --numerics auto --batch 64 --out "$out"
@@ -54,6 +56,8 @@ for s in "$@"; do
       XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL" step profile_cmdbuf_auto 150 python3 scripts/gpu_profile_step.py --numerics auto --batch 64 --tag _cmdbuf --out "$out" ;;
     bench_decode) step bench_decode 560 python3 -m jengine.cli bench --parts roofline model --iters 5 --part-timeout 60 model=240 --out "$out/bench_decode" ;;
     bench_leaves) step bench_leaves 560 python3 -m jengine.cli bench --parts roofline leaves --iters 5 --part-timeout 120 leaves=420 --out "$out/bench_leaves" ;;
+    sweep_prefill) step sweep_prefill 200 python3 -m jengine.cli bench --parts leaves --rows 1 64 4096 --iters 5 --leaf-shapes q/o_proj down_proj --tile-candidates 128,128,64,8,8,4,4 128,128,64,8,8,4,2 128,256,64,8,8,3,4 --part-timeout leaves=190 --out "$out/sweep_prefill" ;;
+    sweep_split) step sweep_split 200 python3 -m jengine.cli bench --parts leaves --rows 1 64 4096 --iters 5 --leaf-shapes q/o_proj down_proj --tile-candidates 128,128,64,8,8,4,4:split 64,128,128,8,4,3,4:split 64,64,128,8,4,6,4:split 128,128,64,8,8,4,2 --part-timeout leaves=190 --out "$out/sweep_split" ;;
     bench_engine) step bench_engine 400 python3 -m jengine.cli bench --parts engine --part-timeout 190 --out "$out/bench_engine" ;;
     bench_hf) step bench_hf 200 python3 -m jengine.cli bench --parts hf --part-timeout 190 --out "$out/bench_hf" ;;
     align_*) step "$s" 150 bash scripts/gpu_align.sh "$out/$s" "${s#align_}" ;;

@@ -167,6 +167,50 @@ def leaf_checks(quick: bool, only: str | None = None) -> tuple[list[dict], list]
     gemm_case(4096, 4096, bf16, bf16, False, "NEG: XLA dot",
               fn=lambda x, w: gemm_xla_native(x, w, out_dtype=bf16), negative=True)
 
+    # Grouped launches (q/k/v, gate/up): every member's rows equal across M (split and serial
+    # schedules) and equal to the torch twins' separate launches -- what the trainer runs.
+    import torch
+
+    def group_case(k, ns, bias, label, torch_tile=None, negative=False):
+        def inputs():
+            ws = tuple(rand((k, n), bf16, 1.0 / np.sqrt(k)) for n in ns)
+            bs = tuple(rand((n,), bf16) for n in ns) if bias else ()
+            return (rand((n_rows, k), bf16),) + ws + bs
+
+        def split(args):
+            ws = args[1:1 + len(ns)]
+            return args[0], ws, (args[1 + len(ns):] or None)
+
+        def jf(*args):
+            x, ws, bs = split(args)
+            return jnp.concatenate(tg.gemm_group_triton(x, ws, bs, out_dtype=bf16), axis=1)
+
+        def tf(*args):
+            x, ws, bs = split(args)
+            return torch.cat([tg.gemm_triton_torch(x, w, None if bs is None else bs[i],
+                                                   out_dtype=bf16, tile=torch_tile)
+                              for i, w in enumerate(ws)], dim=1)
+
+        def ref(*args):
+            x, ws, bs = split(args)
+            return np.concatenate([x @ w + (0 if bs is None else bs[i]) for i, w in enumerate(ws)],
+                                  axis=1)
+
+        tile = tg.group_tile(jnp.zeros((1, k), bf16), [jnp.zeros((k, n), bf16) for n in ns], None,
+                             bf16)
+        results.append(row_check(jf, tf, inputs, ref, 1,
+                                 f"{label} K={k} N={'+'.join(map(str, ns))} "
+                                 f"[{tile.describe() if tile else 'no shared tile'}]", 1e-2,
+                                 negative=negative))
+
+    group_case(4096, (4096, 1024, 1024), False, "gemm group (q/k/v)")
+    group_case(4096, (4096, 1024, 1024), True, "gemm group +bias (q/k/v, Qwen2)")
+    group_case(4096, (14336, 14336), False, "gemm group (gate/up)")
+    group_case(1024, (1024, 256, 256), False, "gemm group (q/k/v, untuned)")
+    group_case(4096, (4096, 1024, 1024), False, "NEG: gemm group vs twins at k_split 8",
+               torch_tile=tg.GemmTile(64, 64, 128, num_warps=4, num_stages=6, k_split=8),
+               negative=True)
+
     def ref_rms(x, w, eps=1e-5):
         return w * (x / np.sqrt((x * x).mean(-1, keepdims=True) + eps))
 

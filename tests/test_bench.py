@@ -158,3 +158,17 @@ def test_engine_both_numerics_small(tmp_path):
     for numerics in ("auto", "rl-bitwise"):
         _check_engine(results[f"engine:{numerics}"])
     assert "rl-bitwise / auto wall time:" in md
+
+
+def test_render_a_partial_leaves_sweep():
+    """--leaf-shapes: per-GEMM rows only (no whole-step sum); the table still renders."""
+    run = {"versions": {"date": "2026-11-30T19:00"}, "command": "jengine bench --parts leaves",
+           "leaves": {"per_gemm_us": {"down_proj N=4096 K=14336": {
+               "auto (XLA dot)": {"1": 40.0, "4096": 714.0},
+               "rl-bitwise (Triton fixed tile)": {"1": 47.0, "4096": 1405.0}}},
+               "tiles": {"down_proj N=4096 K=14336": "BM64xBN64xBK128 g8 w4 s6 k4"},
+               "step_gemm_us": {}}}
+    md = render(run)
+    assert ("| down_proj N=4096 K=14336 [BM64xBN64xBK128 g8 w4 s6 k4] | rl-bitwise (Triton fixed "
+            "tile) | 47.0 | 1405.0 |") in md
+    assert "GEMM share of one step" not in md

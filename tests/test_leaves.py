@@ -188,3 +188,35 @@ def test_torch_twins_reproduce_the_leaves_bitwise():
     want = activation.silu(x)
     got = activation.silu_torch(to_torch(x))
     assert count_bit_differences(np.asarray(want), got.float().numpy()) == 0
+
+
+def test_gemm_group_uses_a_leafs_grouped_form_else_one_call_per_member():
+    """ModelKernels.gemm_group: the planned GEMM leaf's `.grouped` where it has one (the Triton
+    leaf's one-launch q/k/v), one gemm call per member otherwise and under a wrapped plan."""
+    import dataclasses
+
+    from jengine.models.dense import ModelKernels
+
+    kern = ModelKernels.plan_for(dtype=jnp.float32, hardware="cpu",
+                                 features=frozenset({"batch_invariant"}))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((5, 16)), jnp.float32)
+    ws = tuple(jnp.asarray(rng.standard_normal((16, n)), jnp.float32) for n in (8, 4))
+    alone = [kern.gemm(x, w, out_dtype=jnp.float32) for w in ws]
+    outs = kern.gemm_group(x, ws, out_dtype=jnp.float32)  # fixed_order has no grouped form
+    assert [count_bit_differences(a, b) for a, b in zip(alone, outs)] == [0, 0]
+
+    calls = []
+
+    def leaf_fn(x, w, bias=None, *, out_dtype):
+        return kern.gemm(x, w, bias, out_dtype=out_dtype)
+
+    leaf_fn.grouped = lambda x, ws, biases, *, out_dtype: calls.append(len(ws)) or ("grouped",)
+    grouped_plan = dataclasses.replace(kern.gemm, leaf=dataclasses.replace(kern.gemm.leaf,
+                                                                           fn=leaf_fn))
+    assert dataclasses.replace(kern, gemm=grouped_plan).gemm_group(
+        x, ws, out_dtype=jnp.float32) == ("grouped",)
+    assert calls == [2]
+    wrapped = dataclasses.replace(kern, gemm=lambda *a, **k: leaf_fn(*a, **k))  # no .leaf
+    outs = wrapped.gemm_group(x, ws, out_dtype=jnp.float32)
+    assert calls == [2] and [count_bit_differences(a, b) for a, b in zip(alone, outs)] == [0, 0]

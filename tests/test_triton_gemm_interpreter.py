@@ -65,3 +65,66 @@ def test_schedule_choice_and_tile_check():
     with pytest.raises(ValueError, match="K=256 is not a multiple of k_split"):
         triton_gemm.gemm_triton_torch(torch.zeros(2, 256), torch.zeros(256, 8), out_dtype="f32",
                                       tile=bad)
+
+
+# -- the grouped launch (q/k/v, gate/up) ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def members():
+    rng = np.random.default_rng(1)
+    ws = [torch.from_numpy(rng.standard_normal((K, n)).astype(np.float32)) for n in (80, 32, 40)]
+    bs = [torch.from_numpy(rng.standard_normal(n).astype(np.float32)) for n in (80, 32, 40)]
+    return ws, bs
+
+
+@pytest.fixture()
+def one_tile(monkeypatch):
+    """Every member on TILE, as the tuned table gives q/k/v and gate/up one tile each."""
+    monkeypatch.setattr(triton_gemm, "tile_for", lambda n, k, dtype: TILE)
+
+
+@pytest.mark.parametrize("count", [2, 3])
+@pytest.mark.parametrize("schedule", ["serial", "split"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_grouped_outputs_are_each_members_own_launch(operands, members, one_tile, count, schedule,
+                                                     with_bias):
+    x = operands[0]
+    ws, bs = members[0][:count], (members[1][:count] if with_bias else None)
+    for m in (1, 33, 70):  # 70: a partial second row tile
+        outs = triton_gemm.gemm_group_triton_torch(x[:m], ws, bs, out_dtype="f32",
+                                                   schedule=schedule)
+        assert len(outs) == count
+        for i, w in enumerate(ws):
+            alone = _gemm(x[:m], w, None if bs is None else bs[i], schedule)
+            assert count_bit_differences(alone, outs[i].numpy()) == 0, (m, i)
+
+
+def test_grouped_negative_control_a_shifted_member_differs(operands, members, one_tile):
+    """The check can fail: a member read through a wrong weight (k's columns for v) differs."""
+    x = operands[0]
+    ws = members[0]
+    outs = triton_gemm.gemm_group_triton_torch(x, [ws[0], ws[1], ws[1][:, :32]], None,
+                                               out_dtype="f32")
+    assert count_bit_differences(_gemm(x, ws[1], None, "serial"), outs[2].numpy()) == 0
+    assert count_bit_differences(_gemm(x, ws[0][:, :32], None, "serial"), outs[2].numpy()) > 0
+
+
+def test_group_tile_falls_back_when_members_cannot_share_a_launch(operands, members):
+    x = operands[0]
+    ws, bs = members
+    # Unpatched tile_for: f32 has one tile, so these share; a bias on one member only does not.
+    assert triton_gemm.group_tile(x, ws, None, "f32") is not None
+    assert triton_gemm.group_tile(x, ws, [bs[0], None, bs[2]], "f32") is None
+    assert triton_gemm.group_tile(x, ws[:1], None, "f32") is None
+    # bf16: the tuned table gives q/k/v (4096 and 1024 wide at K = 4096) and gate/up one tile.
+    xb = torch.zeros(1, 4096, dtype=torch.bfloat16)
+    qkv = [torch.zeros(4096, n, dtype=torch.bfloat16) for n in (4096, 1024, 1024)]
+    assert triton_gemm.group_tile(xb, qkv, None, "bf16") == triton_gemm.tile_for(4096, 4096, "bf16")
+    mixed = [torch.zeros(4096, n, dtype=torch.bfloat16) for n in (4096, 14336)]
+    assert triton_gemm.group_tile(xb, mixed, None, "bf16") is None
+    # ...and then the grouped call is one launch per member, still the members' own bits.
+    outs = triton_gemm.gemm_group_triton_torch(x[:3], [ws[0], ws[1]], [bs[0], None],
+                                               out_dtype="f32")
+    alone = triton_gemm.gemm_triton_torch(x[:3], ws[1], out_dtype="f32")  # its own tile_for
+    assert count_bit_differences(alone.numpy(), outs[1].numpy()) == 0

@@ -61,7 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="GEMM M values (leaves)")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per measurement")
     p.add_argument("--tile-candidates", nargs="*", default=[],
-                   help="extra Triton GEMM tiles for the leaves part, as BM,BN,BK,GROUP_M,WARPS,STAGES")
+                   help="extra Triton GEMM tiles for the leaves part, as BM,BN,BK,GROUP_M,WARPS,STAGES"
+                        "[,KSPLIT][:split|:serial] (a schedule forced at every M)")
+    p.add_argument("--leaf-shapes", nargs="*", default=[],
+                   help="leaves: only these projection shapes (q/o_proj k/v_proj gate/up_proj "
+                        "down_proj lm_head); default all")
     p.add_argument("--e2e-requests", type=int, default=256, help="engine: requests submitted at once")
     p.add_argument("--e2e-input", type=int, default=1024, help="engine: prompt tokens per request")
     p.add_argument("--e2e-output", type=int, default=256, help="engine: output tokens per request")
@@ -87,7 +91,7 @@ def add_parser(subparsers):
 
 # Options a child needs, forwarded as given (--numerics is forwarded one value per child).
 CHILD_OPTIONS = ("batch_sizes", "context", "long_context", "long_context_batch", "prefill_tokens",
-                 "rows", "iters", "tile_candidates", "e2e_requests", "e2e_input", "e2e_output",
+                 "rows", "iters", "tile_candidates", "leaf_shapes", "e2e_requests", "e2e_input", "e2e_output",
                  "hf_batch", "hf_new_tokens", "shape")
 
 

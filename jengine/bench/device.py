@@ -61,14 +61,18 @@ def part_leaves(args) -> dict:
     # Extra tiles (BM,BN,BK,GROUP_M,WARPS,STAGES) timed on the projection shapes, through the very
     # path the model uses (jax-triton inside jit): the data behind TUNED_BF16_TILES.
     extra = {}
-    for spec in args.tile_candidates or ():
-        tile = GemmTile(*map(int, spec.split(",")))
-        extra["Triton " + tile.describe()] = (
-            lambda x, w, out_dtype, tile=tile: gemm_triton(x, w, out_dtype=out_dtype, tile=tile))
+    for spec in args.tile_candidates or ():  # "BM,BN,BK,G,W,S[,KSPLIT][:split|:serial]"
+        fields, _, schedule = spec.partition(":")
+        tile = GemmTile(*map(int, fields.split(",")))
+        label = "Triton " + tile.describe() + (f" {schedule} at every M" if schedule else "")
+        extra[label] = (lambda x, w, out_dtype, tile=tile, schedule=schedule or None:
+                        gemm_triton(x, w, out_dtype=out_dtype, tile=tile, schedule=schedule))
     out = {"per_gemm_us": {}, "tiles": {}}
     for vocab_label, vocab in (("auto", LLAMA3_8B["vocab_size"]), ("rl-bitwise", PADDED_VOCAB)):
         for name, (n, k, _) in _layer_shapes(vocab).items():
             if name != "lm_head" and vocab_label == "rl-bitwise":
+                continue
+            if args.leaf_shapes and name not in args.leaf_shapes:
                 continue
             label = f"{name} N={n} K={k}"
             out["tiles"][label] = tile_for(n, k, jnp.bfloat16).describe()
@@ -93,6 +97,8 @@ def part_leaves(args) -> dict:
                              ("rl-bitwise (Triton fixed tile)", PADDED_VOCAB)):
         for m in args.rows:
             total = 0.0
+            if args.leaf_shapes:  # a partial sweep has no whole step to add up
+                break
             for name, (n, k, uses) in _layer_shapes(vocab).items():
                 per = out["per_gemm_us"][f"{name} N={n} K={k}"][impl_name][m]
                 total += per * (uses * 32 if uses else 1)

@@ -21,8 +21,8 @@ def _time_decode(runner, bs: int, context: int, iters: int) -> tuple[float, floa
     batch = StepBatch(input_ids=np.arange(bs) % 1000, positions=np.full(bs, context),
                       token_req=np.arange(bs), block_tables=tables, hidden_rows=np.arange(bs))
 
-    def step():
-        jax.block_until_ready(runner.compute_logits(runner.forward(batch)))
+    def step():  # the engine's path: padded hidden states, then the sampled rows' logits
+        jax.block_until_ready(runner.logits_at(runner.forward_padded(batch), batch.hidden_rows))
 
     t0 = time.time()
     step()
@@ -40,7 +40,7 @@ def _time_prefill(runner, n: int, iters: int) -> float:
     tables = 1 + np.arange(_pages(n, runner.page_size), dtype=np.int32)[None]
     batch = StepBatch(input_ids=np.arange(n) % 1000, positions=np.arange(n),
                       token_req=np.zeros(n), block_tables=tables, hidden_rows=[n - 1])
-    step = lambda: jax.block_until_ready(runner.compute_logits(runner.forward(batch)))
+    step = lambda: jax.block_until_ready(runner.logits_at(runner.forward_padded(batch), batch.hidden_rows))
     step()
     # A chunk takes ~100x a decode step: half the samples suffice.
     return _median_time(step, max(3, iters // 2), warmup=1) * 1e3

@@ -306,7 +306,7 @@ def _roofline_section(roof: dict) -> list[str]:
 
 
 def _leaves_section(leaves: dict, bw) -> list[str]:
-    if not leaves or not leaves.get("step_gemm_us") or not leaves.get("per_gemm_us"):
+    if not leaves or not leaves.get("per_gemm_us"):
         return []
     per = leaves["per_gemm_us"]
     impls = list(next(iter(per.values())).keys())
@@ -321,7 +321,7 @@ def _leaves_section(leaves: dict, bw) -> list[str]:
             tile = leaves.get("tiles", {}).get(shape, "") if impl.startswith("rl-bitwise") else ""
             lines.append(f"| {shape} {('[' + tile + ']') if tile else ''} | {impl} | "
                          + " | ".join(_fmt(_at(d[impl], m)) for m in rows) + " |")
-    step = leaves["step_gemm_us"]
+    step = leaves.get("step_gemm_us") or {}  # empty for a --leaf-shapes sweep
     if len(impls) < 2 or not all(i in step for i in impls[:2]):
         return lines + [""]
     lines += ["", "GEMM share of one step (32 layers + LM head; auto: vocab 128256, rl-bitwise: "

@@ -49,6 +49,17 @@ class ModelKernels:
             attention=plan("attention", "paged", geometry=attention_geometry, **kw),
         )
 
+    def gemm_group(self, x, ws, biases=None, *, out_dtype):
+        """Projections of one x (q/k/v, gate/up): the GEMM leaf's grouped form where it has one --
+        one launch whose every output has the bits of its own gemm call -- else one call each."""
+        # A wrapped plan (interop/bisect.py's recorder) has no leaf: one call each, each recorded.
+        leaf = getattr(self.gemm, "leaf", None)
+        grouped = getattr(leaf.fn, "grouped", None) if leaf is not None else None
+        if grouped is not None:
+            return grouped(x, ws, biases, out_dtype=out_dtype)
+        return tuple(self.gemm(x, w, None if biases is None else biases[i], out_dtype=out_dtype)
+                     for i, w in enumerate(ws))
+
     def describe(self) -> dict[str, str]:
         return {f: getattr(self, f).leaf.impl for f in self.__dataclass_fields__}
 
@@ -171,15 +182,20 @@ class DenseDecoder(nnx.Module):
     def _linear(self, x, w, bias=None):
         return self.kernels.gemm(x, w[...], None if bias is None else bias[...], out_dtype=self.dtype)
 
+    def _linears(self, x, ws, biases=None):
+        """Several projections of x; each output's bits are those of its own _linear."""
+        return self.kernels.gemm_group(x, tuple(w[...] for w in ws),
+                                       None if biases is None else tuple(b[...] for b in biases),
+                                       out_dtype=self.dtype)
+
     def _attention(self, layer, x, positions, token_req, block_tables, page, slot, cos, sin,
                    k_cache, v_cache):
         cfg, kern = self.cfg, self.kernels
         t = x.shape[0]
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        bias = layer.has_bias
-        q = self._linear(x, layer.q_proj, layer.q_bias if bias else None).reshape(t, hq, d)
-        k = self._linear(x, layer.k_proj, layer.k_bias if bias else None).reshape(t, hkv, d)
-        v = self._linear(x, layer.v_proj, layer.v_bias if bias else None).reshape(t, hkv, d)
+        biases = (layer.q_bias, layer.k_bias, layer.v_bias) if layer.has_bias else None
+        q, k, v = self._linears(x, (layer.q_proj, layer.k_proj, layer.v_proj), biases)
+        q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
         if layer.qk_norm:
             q = kern.rmsnorm(q.reshape(t * hq, d), layer.q_norm[...], eps=cfg.rms_norm_eps).reshape(t, hq, d)
             k = kern.rmsnorm(k.reshape(t * hkv, d), layer.k_norm[...], eps=cfg.rms_norm_eps).reshape(t, hkv, d)
@@ -192,8 +208,7 @@ class DenseDecoder(nnx.Module):
         return self._linear(o.reshape(t, hq * d), layer.o_proj, o_bias), k_cache, v_cache
 
     def _mlp(self, layer, x):
-        gate = self._linear(x, layer.gate_proj)
-        up = self._linear(x, layer.up_proj)
+        gate, up = self._linears(x, (layer.gate_proj, layer.up_proj))
         return self._linear(self.kernels.silu(gate) * up, layer.down_proj)
 
     def compute_logits(self, hidden):
