@@ -1,0 +1,89 @@
+"""Compile the Triton GEMM kernels for sm_90 (H200) on a machine without a GPU.
+
+    python scripts/triton_aot_check.py
+
+Triton's compiler and ptxas run on any Linux x86_64 host, so a kernel that does not compile for the
+H200 (an unsupported construct, a type mismatch between selected pointers) fails here, in CI, and
+not in a device call. It checks compilation only: no bits and no timings (those need the GPU:
+scripts/gpu_validate.py, jengine bench). Prints one line per kernel; exits 1 on the first failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="triton-aot-"))
+
+H200 = (90, 32)  # compute capability 9.0, warp size 32
+
+
+def _compile(fn, args: dict, consts: dict, num_warps: int, num_stages: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = dict(args, **{name: "constexpr" for name in consts})
+    names = list(signature)
+    src = ASTSource(fn=fn, signature=signature,
+                    constexprs={(names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", *H200),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def gemm_kernels():
+    """(label, fn, args, consts, warps, stages) of every GEMM launch the tuned tiles make."""
+    from pallas_kernels import _triton_kernels as K
+    from pallas_kernels import triton_gemm as tg
+
+    shapes = {**{nk: [nk[0]] for nk in tg.TUNED_BF16_TILES},
+              (6144, 4096): [4096, 1024, 1024],  # q/k/v grouped
+              (28672, 4096): [14336, 14336]}  # gate/up grouped
+    for (n, k), members in shapes.items():
+        tile = tg.tile_for(members[0], k, "bf16")
+        for partial in (False, True):
+            out = "*fp32" if partial else "*bf16"
+            common = dict(K=k, HAS_BIAS=False, IEEE_F32=False, BM=tile.block_m, BN=tile.block_n,
+                          BK=tile.block_k, GROUP_M=tile.group_m, KSPLIT=tile.k_split,
+                          PARTIAL=partial)
+            label = f"N={'+'.join(map(str, members))} K={k} {tile.describe()} " + (
+                "split" if partial else "serial")
+            if len(members) == 1:
+                args = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", M="i32", out_ptr=out)
+                yield label, K.fixed_tile_gemm_kernel, args, dict(N=n, **common), tile
+            else:
+                n0, n1, n2 = (*members, 0)[:3]
+                args = {**{p: "*bf16" for p in ("x_ptr", "w0_ptr", "w1_ptr", "w2_ptr", "b0_ptr",
+                                               "b1_ptr", "b2_ptr")},
+                        "M": "i32", "out0_ptr": out, "out1_ptr": out, "out2_ptr": out}
+                consts = dict(N0=n0, N1=n1, N2=n2, **common,
+                              EVEN_N=all(m % tile.block_n == 0 for m in members))
+                # grouped_gemm_kernel's constexpr order: N0 N1 N2 K HAS_BIAS ... PARTIAL EVEN_N
+                yield label, K.grouped_gemm_kernel, args, consts, tile
+            if partial and len(members) > 1:
+                args = {**{p: "*fp32" for p in ("p0_ptr", "p1_ptr", "p2_ptr")},
+                        **{p: "*bf16" for p in ("b0_ptr", "b1_ptr", "b2_ptr")}, "M": "i32",
+                        **{p: "*bf16" for p in ("out0_ptr", "out1_ptr", "out2_ptr")}}
+                consts = dict(N0=n0, N1=n1, N2=n2, HAS_BIAS=False, KSPLIT=tile.k_split,
+                              BLOCK=tg.REDUCE_BLOCK)
+                yield label + " reduce", K.grouped_reduce_kernel, args, consts, None
+
+
+def main() -> int:
+    failures = 0
+    for label, fn, args, consts, tile in gemm_kernels():
+        warps, stages = (tile.num_warps, tile.num_stages) if tile else (4, 1)
+        try:
+            kernel = _compile(fn, args, consts, warps, stages)
+            print(f"ok    {label}: {kernel.metadata.shared} B shared")
+        except Exception as exc:  # noqa: BLE001 - report which kernel and why, then fail
+            failures += 1
+            print(f"FAIL  {label}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
