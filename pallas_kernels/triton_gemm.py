@@ -50,11 +50,16 @@ class GemmTile:
     num_warps: int = 4
     num_stages: int = 4
     k_split: int = 1  # fixed K chunks; K must be a multiple of k_split * block_k when > 1
+    # Run the split schedule at every M, not only when output tiles are few. The serial schedule
+    # keeps the running sum and the current chunk's accumulator live together; at k_split 4 that
+    # measured 2-2.5x slower than split + reduce at M = 4096 on the H200 (docs/performance.md).
+    split_at_every_m: bool = False
 
     def describe(self) -> str:
         split = f" k{self.k_split}" if self.k_split > 1 else ""
+        always = " split-always" if self.split_at_every_m and self.k_split > 1 else ""
         return (f"BM{self.block_m}xBN{self.block_n}xBK{self.block_k} g{self.group_m} "
-                f"w{self.num_warps} s{self.num_stages}{split}")
+                f"w{self.num_warps} s{self.num_stages}{split}{always}")
 
 
 # bf16 default: one warpgroup (wgmma m64), 64-deep K steps.
@@ -62,19 +67,19 @@ DEFAULT_BF16_TILE = GemmTile(64, 128, 64, group_m=8, num_warps=4, num_stages=4)
 # f32 runs the IEEE FMA path (no TF32): small tiles, it exists for correctness, not speed.
 DEFAULT_F32_TILE = GemmTile(32, 32, 32, group_m=8, num_warps=4, num_stages=2)
 
-# Per-shape tiles for bf16, keyed by (N, K): the Llama-3-8B projections, chosen from the H200 tile
-# sweep (scripts/triton_tile_sweep.py; docs/performance.md has the timings). Each is one tile for
-# every M, so each trades decode (M <= 256, weight-streaming bound) against prefill (M = 4096).
-# k_split gives small-M steps (decode) enough programs: at M <= 64 q_proj has 32 output tiles for
-# 132 SMs; split 4 ways it has 128.
+# Per-shape tiles for bf16, keyed by (N, K): the Llama-3-8B projections, chosen from H200 sweeps
+# (`jengine bench --parts leaves --tile-candidates ...`; docs/performance.md has the timings). A
+# tile is one choice for every M, so each trades decode (M <= 256, weight-streaming bound) against
+# prefill (M = 4096); the schedule may follow M, the bits do not. k_split gives small M enough
+# programs: at M <= 64 o_proj has 32 output tiles for 132 SMs, split 4 ways 128.
 # k/v_proj share q_proj's tile so that q/k/v run as one grouped launch (gemm_group_triton), which
 # needs one tile for every member.
-_QKV_4096 = GemmTile(64, 128, 128, num_warps=4, num_stages=3, k_split=4)
+_K4 = GemmTile(128, 128, 64, num_warps=8, num_stages=4, k_split=4, split_at_every_m=True)
 TUNED_BF16_TILES: dict[tuple[int, int], GemmTile] = {
-    (4096, 4096): _QKV_4096,  # q_proj, o_proj
-    (1024, 4096): _QKV_4096,  # k_proj, v_proj
+    (4096, 4096): _K4,  # q_proj, o_proj (H200 us at M=1/64/4096: 19.9/22.2/372; XLA 17/18/215)
+    (1024, 4096): _K4,  # k_proj, v_proj
     (14336, 4096): GemmTile(128, 128, 64, num_warps=8, num_stages=4, k_split=2),  # gate, up
-    (4096, 14336): GemmTile(64, 64, 128, num_warps=4, num_stages=6, k_split=4),  # down_proj
+    (4096, 14336): _K4,  # down_proj (42.9/44.8/925; XLA 41/43/736)
 }
 # Below this many output tiles a step runs the split schedule (when the tile has k_split > 1).
 SPLIT_BELOW_TILES = 128
@@ -122,7 +127,8 @@ def schedule_for(m: int, n: int, tile: GemmTile, schedule: str | None = None) ->
     if schedule:
         return schedule
     tiles = cdiv(m, tile.block_m) * cdiv(n, tile.block_n)
-    return "split" if tile.k_split > 1 and tiles < SPLIT_BELOW_TILES else "serial"
+    few = tiles < SPLIT_BELOW_TILES
+    return "split" if tile.k_split > 1 and (few or tile.split_at_every_m) else "serial"
 
 
 def _launches(m, k, n, dtype, bias, tile: GemmTile, schedule: str):

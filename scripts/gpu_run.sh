@@ -15,6 +15,7 @@
 #   profile_bs1    the same at batch 1
 #   profile_cmdbuf the profile with XLA command buffers for custom calls (an experiment)
 #   bench_decode   jengine bench --parts roofline model (decode bs 1/16/64/256 + 8k, prefill 4096)
+#   bench_final    roofline + decode/prefill rows + the HF peer in one run (the targets table)
 #   bench_leaves   jengine bench --parts roofline leaves (GEMM leaves per shape and M)
 #   sweep_prefill  GEMM tiles with k_split for q/o and down_proj at M = 1, 64, 4096 (prefill leads)
 #   sweep_split    the same with the split schedule forced at every M (large-M leads)
@@ -55,6 +56,7 @@ for s in "$@"; do
       XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL" step profile_cmdbuf_rl 150 python3 scripts/gpu_profile_step.py --numerics rl-bitwise --batch 64 --tag _cmdbuf --out "$out"
       XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL" step profile_cmdbuf_auto 150 python3 scripts/gpu_profile_step.py --numerics auto --batch 64 --tag _cmdbuf --out "$out" ;;
     bench_decode) step bench_decode 560 python3 -m jengine.cli bench --parts roofline model --iters 5 --part-timeout 60 model=240 --out "$out/bench_decode" ;;
+    bench_final) step bench_final 575 python3 -m jengine.cli bench --parts roofline model hf --iters 5 --part-timeout 60 model=230 hf=130 --out "$out/bench_final" ;;
     bench_leaves) step bench_leaves 560 python3 -m jengine.cli bench --parts roofline leaves --iters 5 --part-timeout 120 leaves=420 --out "$out/bench_leaves" ;;
     sweep_prefill) step sweep_prefill 200 python3 -m jengine.cli bench --parts leaves --rows 1 64 4096 --iters 5 --leaf-shapes q/o_proj down_proj --tile-candidates 128,128,64,8,8,4,4 128,128,64,8,8,4,2 128,256,64,8,8,3,4 --part-timeout leaves=190 --out "$out/sweep_prefill" ;;
     sweep_split) step sweep_split 200 python3 -m jengine.cli bench --parts leaves --rows 1 64 4096 --iters 5 --leaf-shapes q/o_proj down_proj --tile-candidates 128,128,64,8,8,4,4:split 64,128,128,8,4,3,4:split 64,64,128,8,4,6,4:split 128,128,64,8,8,4,2 --part-timeout leaves=190 --out "$out/sweep_split" ;;

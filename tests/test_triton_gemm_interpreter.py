@@ -57,7 +57,11 @@ def test_negative_control_another_k_split_changes_the_bits(operands):
 
 def test_schedule_choice_and_tile_check():
     assert triton_gemm.schedule_for(1, 4096, triton_gemm.tile_for(4096, 4096, "bf16")) == "split"
-    assert triton_gemm.schedule_for(4096, 4096, triton_gemm.tile_for(4096, 4096, "bf16")) == "serial"
+    # q/o/k/v and down split at every M (serial at k_split 4 spills); gate/up goes serial.
+    assert triton_gemm.schedule_for(4096, 4096, triton_gemm.tile_for(4096, 4096, "bf16")) == "split"
+    assert triton_gemm.schedule_for(4096, 4096, triton_gemm.tile_for(4096, 14336, "bf16")) == "split"
+    assert triton_gemm.schedule_for(4096, 14336, triton_gemm.tile_for(14336, 4096, "bf16")) == "serial"
+    assert triton_gemm.schedule_for(4096, 99, triton_gemm.GemmTile(32, 32, 32, k_split=4)) == "serial"
     assert triton_gemm.schedule_for(1, 131072, triton_gemm.tile_for(131072, 4096, "bf16")) == "serial"
     for (n, k), tile in triton_gemm.TUNED_BF16_TILES.items():
         assert k % (tile.k_split * tile.block_k) == 0, (n, k, tile)
