@@ -56,7 +56,7 @@ for s in "$@"; do
       XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL" step profile_cmdbuf_rl 150 python3 scripts/gpu_profile_step.py --numerics rl-bitwise --batch 64 --tag _cmdbuf --out "$out"
       XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL" step profile_cmdbuf_auto 150 python3 scripts/gpu_profile_step.py --numerics auto --batch 64 --tag _cmdbuf --out "$out" ;;
     bench_decode) step bench_decode 560 python3 -m jengine.cli bench --parts roofline model --iters 5 --part-timeout 60 model=240 --out "$out/bench_decode" ;;
-    bench_final) step bench_final 575 python3 -m jengine.cli bench --parts roofline model hf --iters 5 --part-timeout 60 model=230 hf=130 --out "$out/bench_final" ;;
+    bench_final) step bench_final 400 python3 -m jengine.cli bench --parts roofline model hf --iters 30 --part-timeout 60 model=230 hf=130 --out "$out/bench_final" ;;
     bench_leaves) step bench_leaves 560 python3 -m jengine.cli bench --parts roofline leaves --iters 5 --part-timeout 120 leaves=420 --out "$out/bench_leaves" ;;
     sweep_prefill) step sweep_prefill 200 python3 -m jengine.cli bench --parts leaves --rows 1 64 4096 --iters 5 --leaf-shapes q/o_proj down_proj --tile-candidates 128,128,64,8,8,4,4 128,128,64,8,8,4,2 128,256,64,8,8,3,4 --part-timeout leaves=190 --out "$out/sweep_prefill" ;;
     sweep_split) step sweep_split 200 python3 -m jengine.cli bench --parts leaves --rows 1 64 4096 --iters 5 --leaf-shapes q/o_proj down_proj --tile-candidates 128,128,64,8,8,4,4:split 64,128,128,8,4,3,4:split 64,64,128,8,4,6,4:split 128,128,64,8,8,4,2 --part-timeout leaves=190 --out "$out/sweep_split" ;;
