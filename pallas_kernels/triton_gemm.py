@@ -10,8 +10,10 @@ one row of each MMA, so changing M only changes how many tiles are launched.
 
 Two schedules compute exactly that: `serial` (one program per output tile does every chunk) and
 `split` (one program per tile and chunk, then gemm_reduce_kernel). Small M has too few output tiles
-to fill the GPU, so it takes `split`; the choice depends on M, the bits do not (the row-invariance
-check in scripts/gpu_validate.py compares M = 1, 2, 3, 7 and 64 -- split -- with M = 512 -- serial).
+to fill the GPU, so it takes `split`; tiles with `split_at_every_m` take it at every M (their serial
+form is slow at k_split 4). The choice depends on M, the bits do not (the row-invariance check in
+scripts/gpu_validate.py compares M = 1, 2, 3, 7 and 64 -- split -- with M = 512 -- serial for the
+gate/up tile).
 Measured on the H200 (docs/gpu-validation.md): rows bit-identical across M, and the jax-triton and
 torch launches agree bit for bit.
 
