@@ -46,18 +46,22 @@ else:
 
 
 @triton.jit
-def _load_q(q_ptr, t0, n_tok, h, HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-            TPP: tl.constexpr, D: tl.constexpr):
-    """Rows r = j * GP + g: token t0 + j, query head h * G + g. Returns q [ROWS, D], row ok, token."""
+def _tile_rows(pos_ptr, t0, n_tok, G: tl.constexpr, GP: tl.constexpr, TPP: tl.constexpr):
+    """Rows r = j * GP + g of a tile: token t0 + j, query head h * G + g. Returns (g, row ok,
+    token, the token's position)."""
     rows = tl.arange(0, TPP * GP)
     j = rows // GP
     g = rows % GP
     ok = (j < n_tok) & (g < G)
     tok = t0 + j
+    return g, ok, tok, tl.load(pos_ptr + tok, mask=ok, other=0)
+
+
+@triton.jit
+def _row_ptrs(ptr, tok, g, h, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr):
+    """[ROWS, D] addresses of (token, query head h * G + g) in a [T, HQ, D] array (q and out)."""
     d = tl.arange(0, D)
-    ptrs = q_ptr + (tok.to(tl.int64) * HQ + h * G + g)[:, None] * D + d[None, :]
-    q = tl.load(ptrs, mask=ok[:, None], other=0.0)
-    return q, ok, tok
+    return ptr + (tok.to(tl.int64) * HQ + h * G + g)[:, None] * D + d[None, :]
 
 
 @triton.jit
@@ -113,14 +117,11 @@ def _merge(big_m, big_l, big_acc, m, l, acc, live):
 
 
 @triton.jit
-def _store_out(out_ptr, big_l, big_acc, ok, tok, h, HQ: tl.constexpr, G: tl.constexpr,
-               GP: tl.constexpr, TPP: tl.constexpr, D: tl.constexpr):
-    rows = tl.arange(0, TPP * GP)
-    g = rows % GP
-    d = tl.arange(0, D)
+def _store_out(out_ptr, big_l, big_acc, g, ok, tok, h, HQ: tl.constexpr, G: tl.constexpr,
+               D: tl.constexpr):
     o = tl.math.div_rn(big_acc, big_l[:, None])
-    ptrs = out_ptr + (tok.to(tl.int64) * HQ + h * G + g)[:, None] * D + d[None, :]
-    tl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+    tl.store(_row_ptrs(out_ptr, tok, g, h, HQ, G, D), o.to(out_ptr.dtype.element_ty),
+             mask=ok[:, None])
 
 
 @triton.jit
@@ -145,8 +146,8 @@ def attention_serial_kernel(
     h = tl.program_id(1)
     t0, n_tok, req, max_pos = _tile(tiles_ptr, num_tiles, tile)
     if n_tok > 0:
-        q, ok, tok = _load_q(q_ptr, t0, n_tok, h, HQ, G, GP, TPP, D)
-        row_pos = tl.load(pos_ptr + tok, mask=ok, other=0)
+        g, ok, tok, row_pos = _tile_rows(pos_ptr, t0, n_tok, G, GP, TPP)
+        q = tl.load(_row_ptrs(q_ptr, tok, g, h, HQ, G, D), mask=ok[:, None], other=0.0)
         ROWS: tl.constexpr = TPP * GP
         big_m = tl.full((ROWS,), float("-inf"), tl.float32)
         big_l = tl.zeros((ROWS,), tl.float32)
@@ -157,7 +158,7 @@ def attention_serial_kernel(
                                      ROWS, BLOCK_N, SPLIT, IEEE)
             big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc,
                                            split * SPLIT <= row_pos)
-        _store_out(out_ptr, big_l, big_acc, ok, tok, h, HQ, G, GP, TPP, D)
+        _store_out(out_ptr, big_l, big_acc, g, ok, tok, h, HQ, G, D)
 
 
 @triton.jit(do_not_specialize=["num_tiles", "page_size", "table_width"])
@@ -174,8 +175,8 @@ def attention_split_kernel(
     split = tl.program_id(2)
     t0, n_tok, req, max_pos = _tile(tiles_ptr, num_tiles, tile)
     if n_tok > 0:
-        q, ok, tok = _load_q(q_ptr, t0, n_tok, h, HQ, G, GP, TPP, D)
-        row_pos = tl.load(pos_ptr + tok, mask=ok, other=0)
+        g, ok, tok, row_pos = _tile_rows(pos_ptr, t0, n_tok, G, GP, TPP)
+        q = tl.load(_row_ptrs(q_ptr, tok, g, h, HQ, G, D), mask=ok[:, None], other=0.0)
         if split * SPLIT <= max_pos:
             ROWS: tl.constexpr = TPP * GP
             m, l, acc = _split_state(q, row_pos, max_pos, req, split, bt_ptr, k_ptr, v_ptr,
@@ -203,11 +204,7 @@ def attention_combine_kernel(
     if n_tok > 0:
         ROWS: tl.constexpr = TPP * GP
         rows = tl.arange(0, ROWS)
-        j = rows // GP
-        g = rows % GP
-        ok = (j < n_tok) & (g < G)
-        tok = t0 + j
-        row_pos = tl.load(pos_ptr + tok, mask=ok, other=0)
+        g, ok, tok, row_pos = _tile_rows(pos_ptr, t0, n_tok, G, GP, TPP)
         big_m = tl.full((ROWS,), float("-inf"), tl.float32)
         big_l = tl.zeros((ROWS,), tl.float32)
         big_acc = tl.zeros((ROWS, D), tl.float32)
@@ -219,4 +216,4 @@ def attention_combine_kernel(
             acc = tl.load(part_acc_ptr + (base + rows)[:, None] * D + d[None, :])
             big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc,
                                            split * SPLIT <= row_pos)
-        _store_out(out_ptr, big_l, big_acc, ok, tok, h, HQ, G, GP, TPP, D)
+        _store_out(out_ptr, big_l, big_acc, g, ok, tok, h, HQ, G, D)

@@ -1,4 +1,4 @@
-"""Compile the Triton GEMM kernels for sm_90 (H200) on a machine without a GPU.
+"""Compile the Triton GEMM and attention kernels for sm_90 (H200) on a machine without a GPU.
 
     python scripts/triton_aot_check.py
 
@@ -21,7 +21,8 @@ os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="triton-aot-")
 H200 = (90, 32)  # compute capability 9.0, warp size 32
 
 
-def _compile(fn, args: dict, consts: dict, num_warps: int, num_stages: int):
+def _compile(fn, args: dict, consts: dict, num_warps: int, num_stages: int,
+             enable_fp_fusion: bool = True):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -31,7 +32,8 @@ def _compile(fn, args: dict, consts: dict, num_warps: int, num_stages: int):
     src = ASTSource(fn=fn, signature=signature,
                     constexprs={(names.index(k),): v for k, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", *H200),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages,
+                                       enable_fp_fusion=enable_fp_fusion))
 
 
 def gemm_kernels():
@@ -72,12 +74,40 @@ def gemm_kernels():
                 yield label + " reduce", K.grouped_reduce_kernel, args, consts, None
 
 
+def attention_kernels():
+    """(label, fn, args, consts, (warps, stages, fp_fusion)) of the attention leaf's three kernels,
+    for the Llama-3-8B heads (32 q / 8 kv, D 128) and the tiny model's, bf16 and f32."""
+    from pallas_kernels import _triton_attention_kernels as K
+    from pallas_kernels import triton_attention as ta
+
+    launch = (ta.NUM_WARPS, ta.NUM_STAGES, False)
+    for (hq, hkv, d) in ((32, 8, 128), (4, 2, 16)):
+        for dtype in ("bf16", "fp32"):
+            geo = ta.geometry(hq, hkv, d)
+            c = dict(geo, BLOCK_N=ta.BLOCK_N, SPLIT=ta.SPLIT, IEEE=dtype == "fp32")
+            inputs = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
+                      "bt_ptr": "*i32", "pos_ptr": "*i32", "tiles_ptr": "*i32", "num_tiles": "i32",
+                      "page_size": "i32", "table_width": "i32", "scale": "fp32"}
+            label = f"attention hq={hq} hkv={hkv} D={d} {dtype}"
+            yield (label + " serial", K.attention_serial_kernel,
+                   dict(inputs, out_ptr=f"*{dtype}"), c, launch)
+            parts = {"part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32"}
+            yield (label + " split", K.attention_split_kernel, dict(inputs, **parts),
+                   dict(c, NSPLIT=8), launch)
+            combine = {"pos_ptr": "*i32", "tiles_ptr": "*i32", "num_tiles": "i32", **parts,
+                       "out_ptr": f"*{dtype}"}
+            yield (label + " combine", K.attention_combine_kernel, combine,
+                   dict(ta._combine_constexprs(c), NSPLIT=8), launch)
+
+
 def main() -> int:
     failures = 0
-    for label, fn, args, consts, tile in gemm_kernels():
-        warps, stages = (tile.num_warps, tile.num_stages) if tile else (4, 1)
+    launches = [(label, fn, args, consts,
+                 (tile.num_warps, tile.num_stages, True) if tile else (4, 1, True))
+                for label, fn, args, consts, tile in gemm_kernels()]
+    for label, fn, args, consts, (warps, stages, fp_fusion) in launches + list(attention_kernels()):
         try:
-            kernel = _compile(fn, args, consts, warps, stages)
+            kernel = _compile(fn, args, consts, warps, stages, fp_fusion)
             print(f"ok    {label}: {kernel.metadata.shared} B shared")
         except Exception as exc:  # noqa: BLE001 - report which kernel and why, then fail
             failures += 1

@@ -1,4 +1,5 @@
-"""The GEMM kernels compile for the H200 (sm_90), checked on the CPU by Triton's own compiler.
+"""The GEMM and attention kernels compile for the H200 (sm_90), checked on the CPU by Triton's own
+compiler.
 
 A subprocess, because the interpreter tests switch this process's Triton to interpreting mode. This
 is a compile check only (no bits, no timings): it keeps a kernel that cannot compile for the GPU
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed")
 
 
-def test_every_tuned_gemm_launch_compiles_for_sm90(tmp_path):
+def test_every_tuned_gemm_and_attention_launch_compiles_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "triton_aot_check.py")],
@@ -28,6 +29,7 @@ def test_every_tuned_gemm_launch_compiles_for_sm90(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert any("4096+1024+1024" in line and "split" in line for line in lines), lines
+    assert any(line.startswith("ok    attention hq=32 hkv=8 D=128 bf16 combine") for line in lines)
     assert all(line.startswith("ok ") for line in lines), lines
 
 
