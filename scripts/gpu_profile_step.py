@@ -22,23 +22,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def build_runner(numerics: str, batch: int, context: int, shape: str):
-    from jengine.bench.common import SHAPES, _random_llama
+    from jengine.bench.common import random_runner
     from jengine.config import LaunchConfig
-    from jengine.numerics import resolve_launch
 
     launch = LaunchConfig(numerics=numerics, max_running_requests=batch, max_prefill_tokens=16,
                           context_length=context + 16, max_total_tokens=(batch + 1) * (context + 16),
                           skip_warmup=True)
-    resolved = resolve_launch(launch)
-    resolved.apply_environment()
-    import pallas_kernels  # noqa: F401  (registers the Triton leaves)
-    from jengine.engine.model_runner import ModelRunner
-    from jengine.profiles import override_profile
-
-    base, padded = SHAPES[shape]
-    vocab = padded if numerics != "auto" else base["vocab_size"]
-    with override_profile("LlamaForCausalLM", numerics_envelopes={numerics}):
-        return ModelRunner(_random_llama(base, vocab), resolved)
+    return random_runner(shape, numerics, launch)[0]
 
 
 def main() -> int:

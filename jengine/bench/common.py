@@ -45,7 +45,8 @@ def _median_time(fn, iters: int, warmup: int = 2, back_to_back: int = 1, sync=No
 
 
 def _random_llama(base: dict, vocab: int):
-    """A LoadedModel-like object whose weights are created on the device, never on the host."""
+    """(a LoadedModel-like object, the `dense._param` stand-in that makes its weights): weights are
+    created on the device, never on the host, while the stand-in replaces dense._param."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -69,7 +70,6 @@ def _random_llama(base: dict, vocab: int):
         scale = 1.0 if len(shape) == 1 else shape[-1] ** -0.5 if not transpose else shape[0] ** -0.5
         return nnx.Param((jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype))
 
-    dense._param = random_param
     # The LM head is read with np.asarray by the model; a tiled host block keeps that cheap.
     block = (np.random.default_rng(0).standard_normal((1024, h)) * h ** -0.5).astype(jnp.bfloat16)
 
@@ -86,7 +86,7 @@ def _random_llama(base: dict, vocab: int):
         config = cfg
         weights = Weights()
         eos_token_ids = (128001,)
-    return Loaded()
+    return Loaded(), random_param
 
 
 def _pages(tokens: int, page_size: int) -> int:
@@ -99,15 +99,12 @@ def _pool_tokens(rows, page_size: int) -> int:
     return max(bs * _pages(tokens, page_size) for bs, tokens in rows) * page_size
 
 
-def _shape(args) -> tuple[dict, int]:
-    """The model config and the vocabulary this --numerics runs with (rl-bitwise pads the head)."""
-    base, padded = SHAPES[args.shape]
-    return base, padded if args.numerics != "auto" else base["vocab_size"]
+def random_runner(shape: str, numerics: str, launch):
+    """Resolve the launch, set its XLA flags (before JAX starts), build a ModelRunner of the bench
+    `shape` on random weights (rl-bitwise pads the vocabulary). Returns (runner, resolved, loaded)."""
+    from unittest import mock
 
-
-def _build_runner(args, launch):
-    """Resolve the launch, set its XLA flags (before JAX starts), build a ModelRunner on random
-    weights. Returns (runner, resolved, loaded)."""
+    import jengine.models.dense as dense
     from jengine.numerics import resolve_launch
 
     resolved = resolve_launch(launch)
@@ -116,10 +113,11 @@ def _build_runner(args, launch):
     from jengine.engine.model_runner import ModelRunner
     from jengine.profiles import override_profile
 
-    base, vocab = _shape(args)
-    loaded = _random_llama(base, vocab)
+    base, padded = SHAPES[shape]
+    loaded, random_param = _random_llama(base, padded if numerics != "auto" else base["vocab_size"])
     # Timing only: random weights prove nothing about the contract, so the model's verification
-    # gate (require_verified_numerics) is overridden for this process and nothing else.
-    with override_profile(base["architectures"][0], numerics_envelopes={args.numerics}):
+    # gate (require_verified_numerics) is overridden while this runner is built, and nothing else.
+    with override_profile(base["architectures"][0], numerics_envelopes={numerics}), \
+            mock.patch.object(dense, "_param", random_param):
         runner = ModelRunner(loaded, resolved)
     return runner, resolved, loaded

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from jengine.bench.common import (SHAPES, _build_runner, _checkpoint, _median_time, _pages,
-                                  _pool_tokens)
+from jengine.bench.common import (SHAPES, _checkpoint, _median_time, _pages, _pool_tokens,
+                                  random_runner)
 
 
 # -- part engine: the whole Engine on a fixed synthetic workload ------------------------------------
@@ -135,7 +135,7 @@ def part_engine(args) -> dict:
 
     launch = _e2e_launch(args)
     t0 = time.time()
-    runner, resolved, loaded = _build_runner(args, launch)
+    runner, resolved, loaded = random_runner(args.shape, args.numerics, launch)
     from jengine.engine.engine import Engine
     from jengine.engine.sampler import Sampler
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from jengine.bench.common import _build_runner, _checkpoint, _median_time, _pages, _pool_tokens
+from jengine.bench.common import _checkpoint, _median_time, _pages, _pool_tokens, random_runner
 
 
 def _time_decode(runner, bs: int, context: int, iters: int) -> tuple[float, float]:
@@ -68,7 +68,7 @@ def _model_launch(args):
 def part_model(args) -> dict:
     launch = _model_launch(args)
     t0 = time.time()
-    runner, _, loaded = _build_runner(args, launch)
+    runner, _, loaded = random_runner(args.shape, args.numerics, launch)
     out = {"numerics": args.numerics, "vocab": loaded.config.vocab_size,
            "kernels": runner.kernels.describe(), "shape": args.shape, "context": args.context,
            "prefill_tokens": args.prefill_tokens, "max_total_tokens": launch.max_total_tokens,
