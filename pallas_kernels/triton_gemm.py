@@ -200,7 +200,7 @@ def gemm_triton_torch(x, w, bias=None, *, out_dtype, tile: GemmTile | None = Non
 # -- grouped: several projections of one x in one launch ------------------------------------------
 
 
-def group_tile(x, ws, biases, out_dtype) -> GemmTile | None:
+def group_tile(x, ws, biases) -> GemmTile | None:
     """The one tile every member uses, or None when the members cannot share a launch (different
     tiles, bias on some members only, or not 2-3 members): they then run one launch each."""
     if len(ws) not in (2, 3) or (biases is not None and any(b is None for b in biases)):
@@ -237,7 +237,7 @@ def gemm_group_triton(x, ws, biases=None, *, out_dtype, schedule: str | None = N
     cannot share a tile run one gemm_triton each."""
     for i, w in enumerate(ws):
         _check(x, w, None if biases is None else biases[i], out_dtype)
-    tile = group_tile(x, ws, biases, out_dtype)
+    tile = group_tile(x, ws, biases)
     if tile is None:
         return tuple(gemm_triton(x, w, None if biases is None else biases[i], out_dtype=out_dtype,
                                  schedule=schedule) for i, w in enumerate(ws))
@@ -275,7 +275,7 @@ def gemm_group_triton_torch(x, ws, biases=None, *, out_dtype, schedule: str | No
 
     for i, w in enumerate(ws):
         _check(x, w, None if biases is None else biases[i], out_dtype)
-    tile = group_tile(x, ws, biases, out_dtype)
+    tile = group_tile(x, ws, biases)
     if tile is None:
         return tuple(gemm_triton_torch(x, w, None if biases is None else biases[i],
                                        out_dtype=out_dtype, schedule=schedule)

@@ -196,8 +196,7 @@ def leaf_checks(quick: bool, only: str | None = None) -> tuple[list[dict], list]
             return np.concatenate([x @ w + (0 if bs is None else bs[i]) for i, w in enumerate(ws)],
                                   axis=1)
 
-        tile = tg.group_tile(jnp.zeros((1, k), bf16), [jnp.zeros((k, n), bf16) for n in ns], None,
-                             bf16)
+        tile = tg.group_tile(jnp.zeros((1, k), bf16), [jnp.zeros((k, n), bf16) for n in ns], None)
         results.append(row_check(jf, tf, inputs, ref, 1,
                                  f"{label} K={k} N={'+'.join(map(str, ns))} "
                                  f"[{tile.describe() if tile else 'no shared tile'}]", 1e-2,

@@ -118,15 +118,15 @@ def test_group_tile_falls_back_when_members_cannot_share_a_launch(operands, memb
     x = operands[0]
     ws, bs = members
     # Unpatched tile_for: f32 has one tile, so these share; a bias on one member only does not.
-    assert triton_gemm.group_tile(x, ws, None, "f32") is not None
-    assert triton_gemm.group_tile(x, ws, [bs[0], None, bs[2]], "f32") is None
-    assert triton_gemm.group_tile(x, ws[:1], None, "f32") is None
+    assert triton_gemm.group_tile(x, ws, None) is not None
+    assert triton_gemm.group_tile(x, ws, [bs[0], None, bs[2]]) is None
+    assert triton_gemm.group_tile(x, ws[:1], None) is None
     # bf16: the tuned table gives q/k/v (4096 and 1024 wide at K = 4096) and gate/up one tile.
     xb = torch.zeros(1, 4096, dtype=torch.bfloat16)
     qkv = [torch.zeros(4096, n, dtype=torch.bfloat16) for n in (4096, 1024, 1024)]
-    assert triton_gemm.group_tile(xb, qkv, None, "bf16") == triton_gemm.tile_for(4096, 4096, "bf16")
+    assert triton_gemm.group_tile(xb, qkv, None) == triton_gemm.tile_for(4096, 4096, "bf16")
     mixed = [torch.zeros(4096, n, dtype=torch.bfloat16) for n in (4096, 14336)]
-    assert triton_gemm.group_tile(xb, mixed, None, "bf16") is None
+    assert triton_gemm.group_tile(xb, mixed, None) is None
     # ...and then the grouped call is one launch per member, still the members' own bits.
     outs = triton_gemm.gemm_group_triton_torch(x[:3], [ws[0], ws[1]], [bs[0], None],
                                                out_dtype="f32")
