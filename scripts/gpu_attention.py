@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -174,13 +172,9 @@ def _with_split(split, fn, q_all, pool, rows, scale):
 
 
 def median_ms(f, iters=10):
-    jax.block_until_ready(f())
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f())
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    from jengine.bench.common import _median_time
+
+    return _median_time(f, iters, warmup=1, sync=jax.block_until_ready) * 1e3
 
 
 LAYERS = 8  # distinct KV pools per timed call, as in a model step (no L2 reuse between calls)
