@@ -9,14 +9,23 @@ other requests share the step. Masked positions contribute exact zeros and unuse
 never multiplied into a sum (``where`` on the product, so garbage or NaN cannot leak in).
 
 Arithmetic, per query row and head (f32 throughout, inputs widened from the model dtype):
-  s_c = (sum_d q_d * k_cd, d = 0..D-1 in order) * scale
+  s_c = sum_d q_d * k_cd, d = 0..D-1 in order        (exact bf16 products)
   m   = max over valid c of s_c                       (exact: order-free)
-  p_c = exp(s_c - m) for valid c, else 0
+  p_c = fixed_exp((s_c - m) * scale) for valid c, else 0  (the scale after the max: see below)
   l   = fold over blocks b of tree_sum(p in block b)
-  o   = fold over blocks b of tree_sum(p_c * v_c in block b), divided by l, rounded once.
+  o   = fold over blocks b of tree_sum(p_c * v_c in block b) (split_product), times 1 / l,
+        rounded once.
 
-``paged`` gathers each token's context from the KV pages; ``dense_causal`` takes contiguous K/V (the
-trainer's layout, used by interop's twin). Both call the same core, so they agree bit for bit.
+Nothing here may round differently in another program (pallas_kernels/fixed_order.py): XLA
+contracts ``s * scale - m`` into an FMA in some programs and not in others (on the CPU it did, at
+one context length of a request and not at another), so the scale multiplies the difference and
+feeds only the exponential; ``p * v`` is summed as exact partial products; the exponential is
+``fixed_exp`` (XLA:CPU's exp gives other bits when a fusion is not vectorized: a 320-row step and a
+1-row step of the same row differed); the normalisation is an explicit multiply by the reciprocal
+(XLA rewrites ``o / l`` into it anyway).
+
+These are the CPU leaf's own bits, not the GPU leaf's (pallas_kernels/triton_attention.py): each
+platform's engine and trainer twin run the same leaf.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._twin import torch_twin
-from pallas_kernels.fixed_order import tree_sum
+from pallas_kernels.fixed_order import fixed_exp, split_product, tree_sum
 from pallas_kernels.registry import Priority, register
 
 KV_BLOCK = 16
@@ -61,10 +70,9 @@ def attend_fixed_order(q, k_ctx, v_ctx, q_ctx, q_pos, *, scale):
         return s + qd[..., None] * kd[:, :, None, :]
 
     s = lax.fori_loop(0, d, score_step, jnp.zeros((t, hkv, g, c), jnp.float32))
-    s = s * jnp.float32(scale)
     valid = (jnp.arange(c)[None, :] <= q_pos[:, None])[:, None, None, :]  # [T, 1, 1, C]
     m = jnp.max(jnp.where(valid, s, -jnp.inf), axis=-1, keepdims=True)
-    p = jnp.where(valid, jnp.exp(s - m), 0.0)
+    p = jnp.where(valid, fixed_exp((s - m) * jnp.float32(scale)), 0.0)
 
     def block_step(b, carry):
         l_acc, o_acc = carry
@@ -72,7 +80,8 @@ def attend_fixed_order(q, k_ctx, v_ctx, q_ctx, q_pos, *, scale):
         pb = lax.dynamic_slice_in_dim(p, start, KV_BLOCK, axis=3)  # [T, Hkv, G, B]
         vb = lax.dynamic_slice_in_dim(vf, start, KV_BLOCK, axis=2)[q_ctx]  # [T, Hkv, B, D]
         vmask = lax.dynamic_slice_in_dim(valid, start, KV_BLOCK, axis=3)[..., None]
-        pv = jnp.where(vmask, pb[..., None] * vb[:, :, None, :, :], 0.0)  # [T, Hkv, G, B, D]
+        pv = jnp.where(vmask, split_product(pb[..., None], vb[:, :, None, :, :], v_ctx.dtype),
+                       0.0)  # [T, Hkv, G, B, D]
         live = (start <= q_pos)[:, None, None]  # block holds at least one valid position
         l_new = jnp.where(live, l_acc + tree_sum(pb, axis=-1), l_acc)
         o_new = jnp.where(live[..., None], o_acc + tree_sum(pv, axis=-2), o_acc)
@@ -81,7 +90,7 @@ def attend_fixed_order(q, k_ctx, v_ctx, q_ctx, q_pos, *, scale):
     l0 = jnp.zeros((t, hkv, g), jnp.float32)
     o0 = jnp.zeros((t, hkv, g, d), jnp.float32)
     l, o = lax.fori_loop(0, c // KV_BLOCK, block_step, (l0, o0))
-    return (o / l[..., None]).astype(q.dtype).reshape(t, hq, d)
+    return (o * (jnp.float32(1.0) / l)[..., None]).astype(q.dtype).reshape(t, hq, d)
 
 
 def attend_xla_native(q, k_ctx, v_ctx, q_ctx, q_pos, *, scale):

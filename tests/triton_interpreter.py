@@ -27,3 +27,32 @@ if AVAILABLE:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0].item()))
 
     _interp._patch_lang_tensor = _patch_lang_tensor
+
+
+def _fixed_order_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """tl.dot as k = 0..K-1 accumulated in order with numpy's elementwise f32 ops (IEEE, no FMA).
+
+    The interpreter's own dot is np.matmul: BLAS (or numpy's SIMD loop) picks its kernel by CPU
+    feature and M, N, so a row's bits could depend on the processor and on the row's place in the
+    tile (seen on an AVX2-only machine). Here every output element is the same sequence of IEEE
+    operations wherever it sits, on any x86 or ARM CPU.
+    """
+    from triton.runtime.interpreter import TensorHandle, _convert_float
+    import triton.language as tl
+    import numpy as np
+
+    def widen(t):
+        data = t.data
+        if t.dtype.scalar == tl.bfloat16 or (t.dtype.primitive_bitwidth == 8 and t.dtype.is_floating()):
+            data = _convert_float(data, t.dtype.scalar, tl.float32, None).view(np.float32)
+        return data.astype(d.data.dtype)
+
+    a_data, b_data = widen(a), widen(b)
+    acc = np.array(d.data, copy=True)
+    for k in range(a_data.shape[-1]):
+        acc = acc + a_data[..., :, k:k + 1] * b_data[..., k:k + 1, :]
+    return TensorHandle(acc, d.dtype.scalar)
+
+
+if AVAILABLE:
+    _interp.InterpreterBuilder.create_dot = _fixed_order_dot
