@@ -12,9 +12,9 @@ engine's arithmetic, and routes them to the twins of the engine's leaves (intero
 Everything else (casts, adds, multiplies, gathers, cat) is correctly rounded IEEE arithmetic in both
 frameworks and stays torch's. Attention is replaced at the model level: ``enable(model)`` registers
 the dense-causal attention leaf's twin with transformers' ``AttentionInterface`` under
-``ATTENTION_NAME``, selects it on the model, and recomputes the rotary ``inv_freq`` under the
-overrides, so it is built by the same pow and reciprocal as the engine's table (HF computed it at
-load time with torch's pow), as a float32 buffer (``model.to(torch.bfloat16)`` rounds HF's to
+``ATTENTION_NAME``, selects it on the model, and replaces the rotary ``inv_freq`` with the
+engine's own (jengine.models.rope: HF's formula as torch evaluates it, with XLA's pow; HF computed
+it at load time with torch's pow), as a float32 buffer (``model.to(torch.bfloat16)`` rounds HF's to
 bf16). Leaving the context restores the model and the dispatcher.
 
 Unsupported call forms (e.g. ``addmm`` with beta != 1, a mean over another axis) run torch's own
@@ -195,7 +195,7 @@ class TrainerMode:
         self._model_restore.append((model, "attn_implementation", previous))
         rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
         if rotary is not None:
-            inv_freq, scaling = recompute_inv_freq(model.config, rotary)
+            inv_freq, scaling = recompute_inv_freq(model.config, rotary, type(model).__name__)
             self._model_restore.append((rotary, "attention_scaling", rotary.attention_scaling))
             self._model_restore.append((rotary, "inv_freq", rotary.inv_freq))
             # A new f32 buffer, not a copy into the old one: after model.to(bfloat16) the old
@@ -216,17 +216,26 @@ def _set_attn_implementation(model, name: str) -> None:
         model.config._attn_implementation = name
 
 
-def recompute_inv_freq(config, rotary) -> tuple[torch.Tensor, float]:
-    """HF's own rope init function, run now (under the overrides: pow goes to XLA's pow)."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+def recompute_inv_freq(config, rotary, architecture: str | None = None) -> tuple[torch.Tensor, float]:
+    """The engine's own inverse frequencies (jengine.models.rope) for this model's rotary.
 
-    device = rotary.inv_freq.device
-    if rotary.rope_type == "default":
-        fn = rotary.compute_default_rope_parameters
-    else:
-        fn = ROPE_INIT_FUNCTIONS[rotary.rope_type]
-    inv_freq, scaling = fn(config, device=device)
-    return inv_freq.to(device), scaling
+    They are HF's ``ROPE_INIT_FUNCTIONS`` as torch evaluates them on the rotary's device, with
+    XLA's pow -- computed by the engine's function, so the two sides agree by construction
+    whatever the installed transformers does (5.17 builds the default frequencies on the given
+    device, 5.24 on the CPU, where trainer mode does not route pow).
+    """
+    from jengine.models.config import ModelConfig
+    from jengine.models.rope import inv_freq_and_scaling
+
+    d = config.to_dict()
+    if not d.get("architectures") and architecture:
+        d["architectures"] = [architecture]
+    cfg = ModelConfig.from_hf_dict(d)
+    where = "cpu" if rotary.inv_freq.device.type == "cpu" else "device"
+    inv_freq, scaling = inv_freq_and_scaling(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                             cfg.max_position_embeddings, frequency_device=where,
+                                             ramp_device="cpu")
+    return torch.from_numpy(inv_freq).to(rotary.inv_freq.device), scaling
 
 
 def register_twin_attention(table: TwinTable) -> None:

@@ -82,7 +82,8 @@ class ModelRunner:
         launch = self.resolved.config
         return DenseDecoder(self.model_config, weights, dtype=self.dtype, kernels=self.kernels,
                             layer_boundary_norm=launch.layer_boundary_norm,
-                            rope_device=launch.yarn_frequency_device)
+                            rope_frequency_device=launch.yarn_frequency_device,
+                            rope_ramp_device=launch.yarn_ramp_mask_device)
 
     def load_weights(self, weights: dict) -> None:
         """Swap in new HF-named weights of the same shapes (a trainer's handoff after a step).

@@ -106,7 +106,8 @@ class DenseDecoder(nnx.Module):
     """Weights and the forward of one dense decoder. Built from HF-named numpy weights."""
 
     def __init__(self, cfg, weights: dict, *, dtype, kernels: ModelKernels,
-                 layer_boundary_norm: str = "unfused", rope_device: str = "device"):
+                 layer_boundary_norm: str = "unfused", rope_frequency_device: str = "device",
+                 rope_ramp_device: str = "cpu"):
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
         self.kernels = kernels
@@ -123,7 +124,8 @@ class DenseDecoder(nnx.Module):
             raise ValueError(f"LM head has {head.shape[0]} rows but vocab_size={cfg.vocab_size}")
         self.lm_head = nnx.Param(jnp.asarray(head.T).astype(dtype))  # [H, V]
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
-                               cfg.max_position_embeddings, self.dtype, device=rope_device)
+                               cfg.max_position_embeddings, self.dtype,
+                               frequency_device=rope_frequency_device, ramp_device=rope_ramp_device)
         self.rope_cos = nnx.Variable(cos)
         self.rope_sin = nnx.Variable(sin)
 
