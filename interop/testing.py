@@ -3,7 +3,7 @@
 ``make_tiny_hf_model(directory, "Qwen3ForCausalLM")`` writes an ordinary transformers directory
 (config.json, model.safetensors via ``save_pretrained``, and the embedded tiny model's tokenizer with
 its chat template) that both HF transformers and jengine load. Vocabulary 32768 (one rl-bitwise
-block), hidden 64, 2 layers. Weights are drawn like jengine's tiny model (projections ~ N(0,
+block) unless ``vocab_size`` says otherwise, hidden 64, 2 layers. Weights are drawn like jengine's tiny model (projections ~ N(0,
 1/fan_in), norm weights 1 + N(0, 0.1^2)) so that every layer moves the logits: with transformers'
 default 0.02 init the activations vanish below bf16's resolution and alignment bugs hide.
 """
@@ -25,31 +25,39 @@ FAMILY_CONFIGS = {
 }
 
 
-def _config(architecture: str, eos_token_id: int, pad_token_id: int):
+def _config(architecture: str, eos_token_id: int, pad_token_id: int, vocab_size: int = VOCAB_SIZE,
+            **overrides):
     import transformers
 
     if architecture not in FAMILY_CONFIGS:
         raise ValueError(f"architecture={architecture!r} is not one of {sorted(FAMILY_CONFIGS)}")
     extra = dict(FAMILY_CONFIGS[architecture])
     theta = extra.pop("rope_theta")
+    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=2048)
+    rope = {"rope_type": "default", "rope_theta": theta}
+    if "rope_parameters" in overrides:
+        rope = {**overrides.pop("rope_parameters"), "rope_theta": theta}
+    dims.update(overrides)
     cls = {"LlamaForCausalLM": transformers.LlamaConfig, "Qwen2ForCausalLM": transformers.Qwen2Config,
            "Qwen3ForCausalLM": transformers.Qwen3Config}[architecture]
-    return cls(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
-               rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": theta},
+    return cls(vocab_size=vocab_size, rms_norm_eps=1e-6, rope_parameters=rope, **dims,
                eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=None,
                architectures=[architecture], dtype="bfloat16", **extra)
 
 
-def _draw_weights(model, seed: int) -> None:
-    """Overwrite every parameter with the scale scheme above (float64 draws -> f32 -> bf16)."""
+def _draw_weights(model, seed: int, weight_std: float | None = None) -> None:
+    """Overwrite every parameter with the scale scheme above (float64 draws -> f32 -> bf16);
+    ``weight_std``: every >= 2-D parameter ~ N(0, weight_std^2) instead."""
     import torch
 
     rng = np.random.default_rng(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             shape = tuple(p.shape)
-            if name.endswith("norm.weight"):
+            if weight_std is not None and len(shape) >= 2:
+                w = weight_std * rng.standard_normal(shape)
+            elif name.endswith("norm.weight"):
                 w = 1.0 + 0.1 * rng.standard_normal(shape)
             elif name.endswith("embed_tokens.weight"):
                 w = 0.25 * rng.standard_normal(shape)
@@ -60,8 +68,16 @@ def _draw_weights(model, seed: int) -> None:
             p.copy_(torch.from_numpy(w.astype(np.float32)).to(p.dtype))
 
 
-def make_tiny_hf_model(directory, architecture: str = "Qwen3ForCausalLM", *, seed: int = 0) -> Path:
-    """Write a tiny random ``architecture`` checkpoint into ``directory`` and return its path."""
+def make_tiny_hf_model(directory, architecture: str = "Qwen3ForCausalLM", *, seed: int = 0,
+                       vocab_size: int = VOCAB_SIZE, weight_std: float | None = None,
+                       **config_overrides) -> Path:
+    """Write a tiny random ``architecture`` checkpoint into ``directory`` and return its path.
+
+    ``config_overrides``: config fields to change (``head_dim=128``, ``num_key_value_heads=1``,
+    ``rope_parameters={"rope_type": "llama3", ...}`` -- the family's theta is kept), e.g. for the
+    production head geometry the CPU suite also runs (tests/test_production_shapes.py).
+    ``weight_std``: draw every >= 2-D parameter from N(0, weight_std^2) (a user's quick random
+    checkpoint) instead of the fan-in scheme."""
     import torch
     import transformers
 
@@ -69,12 +85,23 @@ def make_tiny_hf_model(directory, architecture: str = "Qwen3ForCausalLM", *, see
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer_json, special_ids = tiny._tokenizer_json()
-    config = _config(architecture, special_ids[tiny.IM_END], special_ids[tiny.ENDOFTEXT])
+    _, special_ids = tiny._tokenizer_json()
+    config = _config(architecture, special_ids[tiny.IM_END], special_ids[tiny.ENDOFTEXT], vocab_size,
+                     **config_overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).to(torch.bfloat16)
-    _draw_weights(model, seed)
+    _draw_weights(model, seed, weight_std)
     model.save_pretrained(directory)
+    write_tiny_tokenizer(directory)
+    return directory
+
+
+def write_tiny_tokenizer(directory) -> dict[str, int]:
+    """The embedded tiny model's tokenizer and chat template, as HF files; returns its special ids."""
+    from jengine.models import tiny
+
+    directory = Path(directory)
+    tokenizer_json, special_ids = tiny._tokenizer_json()
     (directory / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": tiny.IM_END,
@@ -83,7 +110,7 @@ def make_tiny_hf_model(directory, architecture: str = "Qwen3ForCausalLM", *, see
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n",
                                                      encoding="utf-8")
-    return directory
+    return special_ids
 
 
 def make_certain_token_model(directory, architecture: str = "Qwen3ForCausalLM", *,

@@ -41,8 +41,6 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, form: str = "
     if logits.dim() != 2:
         raise ValueError(f"logits must be [positions, vocab], got shape {tuple(logits.shape)}")
     rows, vocab = logits.shape
-    if vocab % block_size:
-        raise ValueError(f"vocab size {vocab} is not a multiple of the block size {block_size}")
     if targets.shape != (rows,):
         raise ValueError(f"targets must have shape ({rows},), got {tuple(targets.shape)}")
     table = table or plan_twin_table(logits.device.type)
@@ -51,7 +49,8 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, form: str = "
     row_max = torch.where(row_max == 0, torch.zeros_like(row_max), row_max)  # -0.0 -> +0.0
     shifted = x - row_max
     target = shifted.gather(-1, targets.long()[:, None])
-    partials = table.block_sumexp(shifted.contiguous(), block_size=block_size)  # [T, V // block]
+    # [T, ceil(V / block)]: a last block short of the width is completed with -inf logits.
+    partials = table.block_sumexp(shifted.contiguous(), block_size=block_size)
     total = partials[:, 0]
     for j in range(1, partials.shape[1]):  # rank order: shard 0, 1, 2, ... left to right
         total = total + partials[:, j]

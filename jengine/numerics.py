@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import threading
 from dataclasses import dataclass, field
@@ -32,11 +31,6 @@ from jengine.profiles import PROFILES, ModelProfile
 
 logger = logging.getLogger("jengine.numerics")
 
-# The trainer's log-softmax folds fixed blocks of this width; rl-bitwise's vocabulary eligibility
-# stays a multiple of it even under the 16384-wide logprob orders (spec, alignment.trainer).
-BLOCKWISE_VOCAB_BLOCK = 32768
-LOGPROB_BLOCK_WIDTH = {"blockwise": 32768, "blockwise-direct": 32768,
-                       "blockwise-16384": 16384, "blockwise-direct-16384": 16384}
 
 # Each switch's own default: what `auto` leaves it at.
 SWITCH_DEFAULTS: dict[str, Any] = {
@@ -89,8 +83,6 @@ class NumericsEnvelope:
     # Launching the envelope refuses a model whose profile does not list it. Every envelope but
     # auto (spec: "Every policy still passes the model profile gate").
     require_verified_numerics: bool = True
-    # The output vocabulary must be a multiple of this (None: only the logprob order's block width).
-    vocab_block: int | None = None
     description: str = ""
 
 
@@ -165,6 +157,17 @@ def _validate_rl_bitwise_checkpoint(resolved: "ResolvedLaunch", model_config: An
     moe_tp = resolved.config.moe_tp_size
     if _is_moe(model_config) and moe_tp != 1:
         violations.append(f"MoE TP 1: {arch} is a MoE model and --moe-tp-size is {moe_tp}")
+    dtype = resolved.config.dtype
+    if dtype == "auto":
+        dtype = getattr(model_config, "torch_dtype", None) or "bfloat16"
+    if resolved.hardware.startswith("gpu") and dtype == "float32":
+        # Not verified, so refused rather than served with a silent gap: the f32 Triton RMSNorm's
+        # tree is not the trainer twin's (docs/gpu-validation.md), and XLA contracts the f32 RoPE
+        # multiply-add into an FMA where torch rounds the product.
+        violations.append(
+            f"bf16 models only on the GPU: {arch} would run in float32 (--dtype {resolved.config.dtype}"
+            f", checkpoint {getattr(model_config, 'torch_dtype', '?')}), whose trainer alignment is "
+            "not verified on the GPU; serve it with --dtype bfloat16, or under --numerics auto")
     return violations
 
 
@@ -178,7 +181,7 @@ AUTO = NumericsEnvelope(
     description="every switch at its own default; no bitwise promise")
 RL_BITWISE = NumericsEnvelope(
     name="rl-bitwise", bitwise=True, resolve_launch=resolve_rl_bitwise,
-    validate_checkpoint=_validate_rl_bitwise_checkpoint, vocab_block=BLOCKWISE_VOCAB_BLOCK,
+    validate_checkpoint=_validate_rl_bitwise_checkpoint,
     description="run invariance + batch invariance + trainer alignment, bitwise")
 
 # Live registries. Plugins change them only through register/unregister (atomic, rolled back).
@@ -352,32 +355,10 @@ def check_model(resolved: ResolvedLaunch, model_config: Any, profile: ModelProfi
                 f"in its profile's numerics_envelopes, which are "
                 + (f"{listed}" if profile else "absent (no model profile for this architecture)")
                 + " -- a model earns an envelope when its invariance and alignment harnesses pass")
-    vocab_rule = _vocab_rule(resolved, model_config)
-    if vocab_rule:
-        violations.append(vocab_rule)
     violations += list(envelope.validate_checkpoint(resolved, model_config, profile) or ())
     if violations:
         raise NumericsRefusal(f"--numerics {envelope.name} cannot serve the {role} model {arch}:\n  - "
                               + "\n  - ".join(dict.fromkeys(violations)))
-
-
-def _vocab_rule(resolved: ResolvedLaunch, model_config: Any) -> str | None:
-    """One rule for the output vocabulary: whole blocks of every width that folds it."""
-    reasons = {}
-    if resolved.envelope.vocab_block:  # rl-bitwise: 32768 whatever logprob order (spec)
-        reasons[resolved.envelope.vocab_block] = (
-            f"BLOCKWISE_VOCAB_BLOCK={resolved.envelope.vocab_block}, --numerics "
-            f"{resolved.envelope.name}'s eligibility: the trainer's log-softmax folds fixed blocks")
-    width = LOGPROB_BLOCK_WIDTH.get(resolved.config.logprob_order)
-    if width:
-        reasons.setdefault(width, f"--logprob-order {resolved.config.logprob_order} folds whole "
-                                  f"{width}-wide blocks")
-    vocab = getattr(model_config, "vocab_size", None)
-    if not reasons or (isinstance(vocab, int) and all(vocab % w == 0 for w in reasons)):
-        return None
-    multiple = math.lcm(*reasons)
-    return (f"vocabulary a multiple of {multiple} ({'; '.join(reasons.values())}): "
-            f"{getattr(model_config, 'architecture', '?')} has output vocab_size={vocab}")
 
 
 def _is_moe(model_config: Any) -> bool:

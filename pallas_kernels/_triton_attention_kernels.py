@@ -29,20 +29,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from pallas_kernels._triton_launch import interpreting
-
-if interpreting():
-    # Triton's interpreter (the CPU tests' logic checks) has no libdevice; numpy's exp stands in.
-    @triton.jit
-    def _expf(x):
-        return tl.exp(x)
-else:
-    @triton.jit
-    def _expf(x):
-        """libdevice __nv_expf: the exp torch CUDA and XLA call (tl.exp is ex2.approx)."""
-        return libdevice.exp(x)
+from pallas_kernels._triton_kernels import expf as _expf
 
 
 @triton.jit

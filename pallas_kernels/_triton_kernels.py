@@ -31,6 +31,19 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from pallas_kernels._triton_launch import interpreting
+
+if interpreting():
+    # Triton's interpreter (the CPU tests' logic checks) has no libdevice; numpy's exp stands in.
+    @triton.jit
+    def expf(x):
+        return tl.exp(x)
+else:
+    @triton.jit
+    def expf(x):
+        """libdevice __nv_expf: the exp torch CUDA and XLA call (tl.exp is ex2.approx)."""
+        return libdevice.exp(x)
+
 # -- GEMM ------------------------------------------------------------------------------------------
 
 
@@ -282,15 +295,17 @@ def silu_kernel(x_ptr, n, out_ptr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _exp_chunk(row_ptr, block_start, c: tl.constexpr, CHUNK: tl.constexpr):
+def _exp_chunk(row_ptr, block_start, c: tl.constexpr, CHUNK: tl.constexpr, V: tl.constexpr):
+    """exp of one chunk; columns past the vocabulary are -inf logits (exp = +0.0): the last block
+    is completed, not truncated."""
     offs = block_start + c * CHUNK + tl.arange(0, CHUNK)
-    return libdevice.exp(tl.load(row_ptr + offs))
+    return expf(tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")))
 
 
 @triton.jit
 def block_sumexp_kernel(shifted_ptr, out_ptr, V: tl.constexpr, BLOCK: tl.constexpr,
                         CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr):
-    """out[r, j] = halving-tree sum of exp(shifted[r, j*BLOCK:(j+1)*BLOCK]).
+    """out[r, j] = halving-tree sum of exp(shifted[r, j*BLOCK:(j+1)*BLOCK]), j < cdiv(V, BLOCK).
 
     The first levels of a halving tree over BLOCK elements add chunk c to chunk c + n/2, so over
     NCH = BLOCK / CHUNK chunks the tree is T(c) = T(even chunks) + T(odd chunks); it is written
@@ -302,17 +317,17 @@ def block_sumexp_kernel(shifted_ptr, out_ptr, V: tl.constexpr, BLOCK: tl.constex
     row_ptr = shifted_ptr + row * V
     start = blk * BLOCK
     if NCH == 1:
-        v = _exp_chunk(row_ptr, start, 0, CHUNK)
+        v = _exp_chunk(row_ptr, start, 0, CHUNK, V)
     elif NCH == 2:
-        v = _exp_chunk(row_ptr, start, 0, CHUNK) + _exp_chunk(row_ptr, start, 1, CHUNK)
+        v = _exp_chunk(row_ptr, start, 0, CHUNK, V) + _exp_chunk(row_ptr, start, 1, CHUNK, V)
     elif NCH == 4:
-        v = ((_exp_chunk(row_ptr, start, 0, CHUNK) + _exp_chunk(row_ptr, start, 2, CHUNK))
-             + (_exp_chunk(row_ptr, start, 1, CHUNK) + _exp_chunk(row_ptr, start, 3, CHUNK)))
+        v = ((_exp_chunk(row_ptr, start, 0, CHUNK, V) + _exp_chunk(row_ptr, start, 2, CHUNK, V))
+             + (_exp_chunk(row_ptr, start, 1, CHUNK, V) + _exp_chunk(row_ptr, start, 3, CHUNK, V)))
     else:
         tl.static_assert(NCH == 8, "block_sumexp: BLOCK / CHUNK must be 1, 2, 4 or 8")
-        v = (((_exp_chunk(row_ptr, start, 0, CHUNK) + _exp_chunk(row_ptr, start, 4, CHUNK))
-              + (_exp_chunk(row_ptr, start, 2, CHUNK) + _exp_chunk(row_ptr, start, 6, CHUNK)))
-             + ((_exp_chunk(row_ptr, start, 1, CHUNK) + _exp_chunk(row_ptr, start, 5, CHUNK))
-                + (_exp_chunk(row_ptr, start, 3, CHUNK) + _exp_chunk(row_ptr, start, 7, CHUNK))))
+        v = (((_exp_chunk(row_ptr, start, 0, CHUNK, V) + _exp_chunk(row_ptr, start, 4, CHUNK, V))
+              + (_exp_chunk(row_ptr, start, 2, CHUNK, V) + _exp_chunk(row_ptr, start, 6, CHUNK, V)))
+             + ((_exp_chunk(row_ptr, start, 1, CHUNK, V) + _exp_chunk(row_ptr, start, 5, CHUNK, V))
+                + (_exp_chunk(row_ptr, start, 3, CHUNK, V) + _exp_chunk(row_ptr, start, 7, CHUNK, V))))
     total = halving_tree_sum(v, CHUNK, LOG2_CHUNK)
-    tl.store(out_ptr + row * (V // BLOCK) + blk, total)
+    tl.store(out_ptr + row * tl.cdiv(V, BLOCK) + blk, total)

@@ -13,6 +13,15 @@ same number whether it was sampled or teacher-forced. `--logprob-order` picks th
 The negated form yields -0.0 for a certain token (the trainer's negative cross-entropy); the direct
 form yields +0.0. Both use the same reduction.
 
+Any vocabulary size (an extension of the spec's rule, which refuses a vocabulary that is not a whole
+number of blocks): the last block is *completed* with -inf logits. Each missing column contributes
+exp(-inf) = +0.0, and adding +0.0 to a positive f32 partial is exact, so the fold of the full blocks
+plus the completed one is one fixed function of the real logits -- the same in the engine, in the
+trainer's twin and, later, in a vocab-parallel head whose shards each hold whole blocks (the last
+shard's last block completed the same way). The leaves complete the block themselves (the portable
+one pads its exp values with +0.0 inside the jitted program, the Triton one masks its loads with
+-inf), so no [rows, padded vocab] copy of the logits is made.
+
 Every reduction whose bits matter is a leaf ("sampling", "block_sumexp"): it receives the logits
 already shifted by the row max and returns per-block sums of exp, each block reduced in a fixed tree.
 The portable leaf writes that tree as elementwise adds of static slices, so a row's bits depend only
@@ -80,13 +89,29 @@ def canonical_row_max(x: jax.Array) -> jax.Array:
     return jnp.where(m == 0, jnp.zeros_like(m), m)
 
 
+def num_blocks(vocab: int, block_size: int) -> int:
+    """Blocks of a vocabulary, the last one completed with -inf logits when vocab % block_size."""
+    return -(-vocab // block_size)
+
+
 def _check_block(shifted: jax.Array, block_size: int) -> tuple[int, int]:
     if shifted.ndim != 2:
         raise ValueError(f"block_sumexp: shifted must be [rows, vocab], got shape {shifted.shape}")
     rows, vocab = shifted.shape
-    if not isinstance(block_size, int) or block_size < 1 or vocab % block_size:
-        raise ValueError(f"block_sumexp: vocab size {vocab} is not a multiple of block_size={block_size}")
-    return rows, vocab // block_size
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_sumexp: block_size={block_size!r} must be a positive integer")
+    return rows, num_blocks(vocab, block_size)
+
+
+def _block_exp(shifted: jax.Array, block_size: int) -> jax.Array:
+    """exp of the logits as [rows, blocks, block_size], the last block completed with +0.0
+    (= exp(-inf), the value of a missing column)."""
+    rows, blocks = _check_block(shifted, block_size)
+    e = jnp.exp(shifted.astype(jnp.float32))
+    missing = blocks * block_size - shifted.shape[1]
+    if missing:
+        e = jnp.pad(e, ((0, 0), (0, missing)))
+    return e.reshape(rows, blocks, block_size)
 
 
 # -- the leaves ------------------------------------------------------------------------------------
@@ -96,19 +121,16 @@ def _check_block(shifted: jax.Array, block_size: int) -> tuple[int, int]:
           priority=Priority.PORTABLE, features={"batch_invariant"},
           traits={"deterministic": True, "batch_invariant": True})
 def block_sumexp_fixed_tree(shifted: jax.Array, *, block_size: int) -> jax.Array:
-    """f32[R, V] logits minus their row max -> f32[R, V // block_size] sums of exp per block."""
-    rows, blocks = _check_block(shifted, block_size)
-    e = jnp.exp(shifted.astype(jnp.float32)).reshape(rows, blocks, block_size)
-    return tree_sum_last(e)
+    """f32[R, V] logits minus their row max -> f32[R, ceil(V / block_size)] sums of exp per block
+    (the last block completed with -inf logits)."""
+    return tree_sum_last(_block_exp(shifted, block_size))
 
 
 @register("sampling", "block_sumexp", "xla_native", formats={"f32"}, hardware={"any"},
           priority=Priority.TUNED + 1, traits={"batch_invariant": False})
 def block_sumexp_xla_native(shifted: jax.Array, *, block_size: int) -> jax.Array:
     """XLA's own reduction: fast, run-deterministic, no row-invariance claim (auto only)."""
-    rows, blocks = _check_block(shifted, block_size)
-    e = jnp.exp(shifted.astype(jnp.float32)).reshape(rows, blocks, block_size)
-    return jnp.sum(e, axis=-1)
+    return jnp.sum(_block_exp(shifted, block_size), axis=-1)
 
 
 # The trainer's entry point on the CPU: the same compiled XLA program, called on torch tensors
@@ -120,16 +142,23 @@ torch_block_sumexp = torch_twin(block_sumexp_fixed_tree, static_argnames=("block
 
 
 def logprob_block_width(order: str, vocab_size: int) -> int:
-    """Block width the order folds over (the whole row for torch). Raises for bad order/vocab."""
+    """Block width the order folds over (the whole row for torch). Raises for a bad order."""
     if order not in LOGPROB_ORDERS:
         raise ValueError(f"--logprob-order={order!r} is not one of {list(LOGPROB_ORDERS)}")
+    if not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"vocab_size={vocab_size!r} must be a positive integer")
     width, _ = LOGPROB_ORDERS[order]
-    if width is None:
-        return vocab_size
-    if vocab_size % width:
-        raise ValueError(f"vocab_size={vocab_size} is not a multiple of the --logprob-order {order} "
-                         f"block width {width}")
-    return width
+    return vocab_size if width is None else width
+
+
+def block_layout(order: str, vocab_size: int) -> dict:
+    """How `order` folds a vocabulary: for /get_server_info and the docs."""
+    width = logprob_block_width(order, vocab_size)
+    blocks = num_blocks(vocab_size, width)
+    last = vocab_size - (blocks - 1) * width
+    return {"logprob_order": order, "block_width": width, "vocab_size": vocab_size,
+            "blocks": blocks, "last_block_columns": last,
+            "last_block_completed_with_neg_inf": width - last}
 
 
 def _row_log_sum_exp(shifted: jax.Array, order: str, block_sumexp_plan: KernelPlan) -> jax.Array:

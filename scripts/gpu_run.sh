@@ -7,6 +7,8 @@
 # Steps:
 #   attention      scripts/gpu_attention.py: Triton attention bits, accuracy, per-layer timings
 #   attention_timing  the same, timings only
+#   sumexp         scripts/gpu_validate.py --only block_sumexp: block partials across M, torch
+#                  launch == JAX launch, vocabularies that are not whole blocks (last completed)
 #   gemm           scripts/gpu_validate.py --only gemm: GEMM rows across M (split and serial
 #                  schedules), torch launch == JAX launch, error vs float64
 #   harness        jengine invariance --numerics rl-bitwise (tiny model, Triton leaves planned)
@@ -22,6 +24,11 @@
 #   bench_engine   the end-to-end Engine workload, auto and rl-bitwise
 #   bench_hf       the HF transformers generate peer
 #   align_<Arch>   scripts/gpu_align.sh for one family, e.g. align_LlamaForCausalLM
+#   accept_<case>  scripts/gpu_acceptance.py for one case (llama, llama31, qwen3, qwen2): trainer
+#                  alignment at production widths, four logprob forms, stock-torch control
+#   acceptance     all four cases (longer than one device call allows: use accept_<case> steps)
+#   harness_prod_<case>  jengine invariance on that case's production-width checkpoint (run its
+#                  accept_<case> step first in the same call: it builds the checkpoint)
 set -u
 out=${1:-${OUT:-/tmp/out}}; shift
 mkdir -p "$out"
@@ -44,6 +51,7 @@ for s in "$@"; do
     attention) step attention 240 python3 scripts/gpu_attention.py --out "$out" ;;
     attention_timing) step attention_timing 150 python3 scripts/gpu_attention.py --skip-checks --out "$out" ;;
     gemm) step gemm 170 python3 scripts/gpu_validate.py --skip-harness --only gemm --out "$out/val" ;;
+    sumexp) step sumexp 150 python3 scripts/gpu_validate.py --skip-harness --only block_sumexp --out "$out/val_sumexp" ;;
     harness) step harness 170 python3 -m jengine.cli invariance --numerics rl-bitwise --max-new-tokens 8 ;;
     harness_auto) step harness_auto 150 python3 -m jengine.cli invariance --numerics auto --temperature 0 --max-new-tokens 8 ;;
     profile)
@@ -63,6 +71,9 @@ for s in "$@"; do
     bench_engine) step bench_engine 400 python3 -m jengine.cli bench --parts engine --part-timeout 190 --out "$out/bench_engine" ;;
     bench_hf) step bench_hf 200 python3 -m jengine.cli bench --parts hf --part-timeout 190 --out "$out/bench_hf" ;;
     align_*) step "$s" 150 bash scripts/gpu_align.sh "$out/$s" "${s#align_}" ;;
+    accept_*) step "$s" 420 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases "${s#accept_}" ;;
+    acceptance) step acceptance 1500 python3 scripts/gpu_acceptance.py --out "$out/acceptance" ;;
+    harness_prod_*) step "$s" 300 python3 -m jengine.cli invariance --model "/tmp/acceptance/${s#harness_prod_}" --numerics rl-bitwise --max-new-tokens 8 ;;
     *) echo "unknown step $s" | tee -a "$out/summary.md" ;;
   esac
 done

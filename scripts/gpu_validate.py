@@ -230,10 +230,14 @@ def leaf_checks(quick: bool, only: str | None = None) -> tuple[list[dict], list]
                                  lambda x: x / (1 + np.exp(-x)), 1,
                                  f"silu {jnp.dtype(dtype).name} [{n_rows}x14336]",
                                  1e-2 if dtype == bf16 else 1e-6))
-    for block in (32768, 16384):
-        v = 131072
-        inputs = lambda: (rand((n_rows, v), f32, 3.0) - 12.0,)
-        ref = lambda s, b=block: np.exp(s).reshape(s.shape[0], -1, b).sum(-1)
+    for v, block in ((131072, 32768), (131072, 16384), (151936, 32768), (128256, 16384)):
+        inputs = lambda v=v: (rand((n_rows, v), f32, 3.0) - 12.0,)
+
+        def ref(s, b=block):  # the last block completed with -inf logits (exp = 0)
+            e = np.zeros((s.shape[0], -(-s.shape[1] // b) * b))
+            e[:, :s.shape[1]] = np.exp(s)
+            return e.reshape(s.shape[0], -1, b).sum(-1)
+
         results.append(row_check(lambda s, b=block: ts.block_sumexp_triton(s, block_size=b),
                                  lambda s, b=block: ts.block_sumexp_triton_torch(s, block_size=b),
                                  inputs, ref, 1, f"block_sumexp V={v} block={block}", 1e-6))
@@ -253,6 +257,12 @@ def leaf_checks(quick: bool, only: str | None = None) -> tuple[list[dict], list]
     a = bits(ts.block_sumexp_triton(s, block_size=32768))
     b = bits(jax.jit(lambda s: block_sumexp_fixed_tree(s, block_size=32768))(s))
     cross.append(("block_sumexp Triton vs portable fixed_tree (XLA, GPU)", int((a != b).sum()), a.size))
+    s2 = rand((64, 151936), f32, 3.0) - 12.0
+    done = jnp.pad(s2, ((0, 0), (0, 5 * 32768 - 151936)), constant_values=-jnp.inf)
+    a = bits(ts.block_sumexp_triton(s2, block_size=32768))
+    b = bits(ts.block_sumexp_triton(done, block_size=32768))
+    cross.append(("block_sumexp Triton V=151936 vs the -inf-completed row (V=163840)",
+                  int((a != b).sum()), a.size))
     xla = jax.jit(lambda s: block_sumexp_xla_native(s, block_size=32768))
     full = bits(xla(s))
     alone = np.concatenate([bits(xla(s[r:r + 1])) for r in range(s.shape[0])])

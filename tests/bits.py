@@ -18,3 +18,14 @@ def count_bit_differences(a, b) -> int:
     if a_bits.shape != b_bits.shape:
         raise AssertionError(f"shapes differ: {a_bits.shape} vs {b_bits.shape}")
     return int(np.count_nonzero(a_bits != b_bits))
+
+
+def numpy_halving_tree(e: np.ndarray) -> np.ndarray:
+    """pallas_kernels.logprobs.tree_sum_last over the last axis, written with numpy's elementwise
+    f32 adds (IEEE on any CPU; no reduction whose order numpy chooses)."""
+    while e.shape[-1] > 1:
+        n = e.shape[-1]
+        h = n // 2
+        paired = e[..., :h] + e[..., h:2 * h]
+        e = paired if n % 2 == 0 else np.concatenate([paired, e[..., 2 * h:]], axis=-1)
+    return e[..., 0]

@@ -292,14 +292,30 @@ def test_a_verified_eligible_model_passes(llama_verified):
     check_model(resolve(numerics="rl-bitwise"), FakeModelConfig())
 
 
-def test_vocab_not_a_multiple_of_32768_is_refused(llama_verified):
-    msg = refusal(resolve(numerics="rl-bitwise"), FakeModelConfig(vocab_size=32000))
-    assert "vocabulary a multiple of 32768" in msg and "BLOCKWISE_VOCAB_BLOCK=32768" in msg
-    assert "vocab_size=32000" in msg
-    # 32768 regardless of the selected 16384-wide order (spec: eligibility stays 32768).
-    msg = refusal(resolve(numerics="rl-bitwise", logprob_order="blockwise-16384"),
-                  FakeModelConfig(vocab_size=3 * 16384))
-    assert "BLOCKWISE_VOCAB_BLOCK=32768" in msg and "vocab_size=49152" in msg
+def test_any_vocabulary_size_is_served(llama_verified):
+    # The last block is completed with -inf logits (pallas_kernels/logprobs.py), so rl-bitwise and
+    # the blockwise orders take any vocabulary: Llama-3's, Qwen's, DeepSeek-V3's, and odd ones.
+    for vocab in (32000, 128256, 151936, 129280, 49152, 1):
+        check_model(resolve(numerics="rl-bitwise"), FakeModelConfig(vocab_size=vocab))
+        check_model(resolve(numerics="rl-bitwise", logprob_order="blockwise-16384"),
+                    FakeModelConfig(vocab_size=vocab))
+        check_model(resolve(logprob_order="blockwise"), FakeModelConfig(vocab_size=vocab))
+
+
+def test_f32_models_are_refused_on_the_gpu_only(llama_verified):
+    @dataclass(frozen=True)
+    class F32Config(FakeModelConfig):
+        torch_dtype: str = "float32"
+
+    gpu = dataclasses.replace(resolve(numerics="rl-bitwise"), hardware="gpu-sm90")
+    msg = refusal(gpu, F32Config())
+    assert "bf16 models only on the GPU" in msg and "--dtype bfloat16" in msg
+    check_model(dataclasses.replace(gpu, config=gpu.config.replace(dtype="bfloat16")), F32Config())
+    check_model(resolve(numerics="rl-bitwise"), F32Config())  # the CPU: verified in f32 too
+    msg = refusal(dataclasses.replace(gpu, config=gpu.config.replace(dtype="float32")),
+                  FakeModelConfig())
+    assert "bf16 models only on the GPU" in msg
+    check_model(dataclasses.replace(resolve(), hardware="gpu-sm90"), F32Config())  # auto serves it
 
 
 def test_quantized_checkpoint_is_refused(llama_verified):
@@ -330,14 +346,11 @@ def test_every_violation_is_reported_at_once():
     with override_profile("LlamaForCausalLM", numerics_envelopes=set()):
         msg = refusal(resolve(numerics="rl-bitwise"),
                       FakeModelConfig(vocab_size=32000, quantization_config={"bits": 4}))
-    assert msg.count("\n  - ") == 3
+    assert msg.count("\n  - ") == 2
 
 
-def test_auto_serves_any_model_but_blockwise_needs_whole_blocks():
+def test_auto_serves_any_model():
     check_model(resolve(), FakeModelConfig(vocab_size=32000, quantization_config={"bits": 4}))
-    msg = refusal(resolve(logprob_order="blockwise"), FakeModelConfig(vocab_size=32000))
-    assert "--logprob-order blockwise folds whole 32768-wide blocks" in msg
-    check_model(resolve(logprob_order="blockwise-16384"), FakeModelConfig(vocab_size=49152))
 
 
 def test_check_model_reads_the_real_model_config(llama_verified):
@@ -346,10 +359,11 @@ def test_check_model_reads_the_real_model_config(llama_verified):
     hf = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
           "vocab_size": 32000, "max_position_embeddings": 128, "rms_norm_eps": 1e-5,
-          "torch_dtype": "bfloat16"}
+          "torch_dtype": "bfloat16", "quantization_config": {"quant_method": "fp8"}}
     msg = refusal(resolve(numerics="rl-bitwise"), ModelConfig.from_hf_dict(hf))
-    assert "vocab_size=32000" in msg
-    check_model(resolve(numerics="rl-bitwise"), ModelConfig.from_hf_dict({**hf, "vocab_size": 65536}))
+    assert "quant_method" in msg
+    hf.pop("quantization_config")
+    check_model(resolve(numerics="rl-bitwise"), ModelConfig.from_hf_dict(hf))
 
 
 def test_in_tree_profiles_declare_rl_bitwise_only_where_harnessed():

@@ -37,7 +37,6 @@ def models(tmp_path_factory):
     torch.manual_seed(0)
     qwen3 = lambda v: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(vocab_size=v, **TINY))  # noqa: E731
     return {
-        "vocab32000": _save(tmp_path_factory, "v32000", qwen3(32000)),
         "quantized": _save(tmp_path_factory, "quant", qwen3(32768),
                            {"quantization_config": {"quant_method": "fp8"}}),
         "undeclared": _save(tmp_path_factory, "llama", transformers.LlamaForCausalLM(
@@ -46,7 +45,6 @@ def models(tmp_path_factory):
 
 
 CASES = {
-    "vocab32000": "multiple of 32768",
     "quantized": "quantiz",
     "undeclared": "require_verified_numerics",
 }

@@ -16,6 +16,7 @@ import pytest
 
 from jengine.engine.batch import SamplingRows
 from jengine.engine.sampler import Sampler, row_bucket
+from tests.bits import numpy_halving_tree
 from pallas_kernels.logprobs import (
     LOGPROB_ORDERS, block_sumexp_fixed_tree, block_sumexp_xla_native, gather_token_logprobs,
     inclusive_scan_last, logprob_block_width, top_logprobs, torch_block_sumexp, tree_sum_last)
@@ -190,12 +191,65 @@ def test_unknown_orders_and_bad_vocab_are_refused(logits, token_ids, invariant_p
     for order in ("megatron", "Blockwise", ""):
         with pytest.raises(ValueError, match="logprob-order"):
             gather_token_logprobs(logits, token_ids, order, invariant_plan)
-    with pytest.raises(ValueError, match=r"vocab_size=49152.*32768"):
-        logprob_block_width("blockwise", 49152)
-    assert logprob_block_width("blockwise-16384", 49152) == 16384
-    with pytest.raises(ValueError, match=r"vocab_size=1001.*16384"):
-        gather_token_logprobs(np.zeros((1, 1001), np.float32), np.zeros(1, np.int32),
-                              "blockwise-direct-16384", invariant_plan)
+    for vocab in (0, -5, 3.5):
+        with pytest.raises(ValueError, match=f"vocab_size={vocab}"):
+            logprob_block_width("blockwise", vocab)
+    assert logprob_block_width("blockwise", 49152) == 32768  # any vocabulary (last block completed)
+    assert logprob_block_width("blockwise-16384", 1001) == 16384
+    assert logprob_block_width("torch", 1001) == 1001
+
+
+# -- any vocabulary size: the last block completed with -inf logits ---------------------------------
+
+
+@pytest.mark.parametrize("vocab,block", [(151936, 32768), (128256, 32768), (129280, 16384),
+                                         (1001, 16384), (32768 + 1, 32768)])
+def test_last_block_is_completed_with_neg_inf(vocab, block):
+    rng = np.random.default_rng(vocab)
+    x = (rng.standard_normal((5, vocab)) * 3).astype(np.float32)
+    shifted = x - x.max(-1, keepdims=True)
+    blocks = -(-vocab // block)
+    completed = np.full((5, blocks * block), -np.inf, np.float32)
+    completed[:, :vocab] = shifted
+    fn = jax.jit(block_sumexp_fixed_tree, static_argnames="block_size")
+    got = np.asarray(fn(shifted, block_size=block))
+    assert got.shape == (5, blocks)
+    # The same leaf on the explicitly completed row, and numpy's fold of XLA's exp of that row
+    # (the exp values are XLA's; every add is numpy's IEEE add): one function, bit for bit.
+    assert np.array_equal(bits(got), bits(fn(completed, block_size=block)))
+    e = np.asarray(jax.jit(jnp.exp)(completed)).reshape(5, blocks, block)
+    assert np.array_equal(bits(got), bits(numpy_halving_tree(e)))
+    assert (bits(e[:, -1, vocab - (blocks - 1) * block:]) == 0).all()  # exp(-inf) is +0.0
+    # The trainer's twin (the same compiled leaf through DLPack) agrees.
+    torch = pytest.importorskip("torch")
+    assert np.array_equal(bits(got), bits(torch_block_sumexp(torch.from_numpy(shifted),
+                                                             block_size=block).numpy()))
+
+
+def test_negative_control_truncated_last_block_differs():
+    """The check above can fail: folding the last block's real columns in their own (shorter) tree
+    instead of the completed block's tree gives other bits for some rows."""
+    rng = np.random.default_rng(7)
+    vocab, block = 151936, 32768
+    x = (rng.standard_normal((64, vocab)) * 3).astype(np.float32)
+    shifted = x - x.max(-1, keepdims=True)
+    got = bits(block_sumexp_fixed_tree(jnp.asarray(shifted), block_size=block))
+    e = np.asarray(jax.jit(jnp.exp)(shifted))
+    truncated = numpy_halving_tree(e[:, (vocab // block) * block:])
+    assert (bits(truncated) != got[:, -1]).any()
+
+
+def test_odd_vocab_logprobs_are_row_invariant_and_correct(invariant_plan):
+    vocab = 151936
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((16, vocab)) * 3).astype(np.float32)
+    t = rng.integers(0, vocab, 16).astype(np.int32)
+    t[0] = vocab - 1  # a token of the completed block
+    for order in ("blockwise", "blockwise-direct-16384"):
+        fn = jax.jit(lambda a, b, o=order: gather_token_logprobs(a, b, o, invariant_plan))
+        assert invariance_failures(fn, (x, t), ms=(1, 3, 16)) == []
+        # Error budget as for whole blocks: one rounding of x - max, the trees, a log.
+        np.testing.assert_allclose(np.asarray(fn(x, t)), numpy_logprobs(x, t), rtol=1e-6, atol=1e-5)
 
 
 def test_torch_log_softmax_vs_our_torch_order(logits, token_ids, invariant_plan):
@@ -352,8 +406,7 @@ def test_sampler_auto_plans_native_and_refuses_bad_input(logits):
     ids = np.arange(4, dtype=np.int32)
     np.testing.assert_allclose(auto.token_logprobs(jnp.asarray(logits[:4]), ids),
                                numpy_logprobs(logits[:4], ids), rtol=1e-6, atol=1e-5)
-    with pytest.raises(ValueError, match=r"vocab_size=1000.*32768"):
-        Sampler(stand_in("blockwise"), 1000)
+    assert Sampler(stand_in("blockwise"), 1000).block_width == 32768  # one completed block
     with pytest.raises(ValueError, match="megatron"):
         Sampler(stand_in("megatron"), V)
     sampler = Sampler(stand_in(), V)

@@ -190,6 +190,13 @@ class Engine:
             "kv_total_tokens": self.kv.capacity_pages * self.kv.page_size,
             "eos_token_ids": sorted(self._eos_ids),
         })
+        order = getattr(self.sampler, "logprob_order", None)
+        if order is not None:
+            # How the logprob order folds this vocabulary; a last block short of the width is
+            # completed with -inf logits (docs/numerics.md, "Any vocabulary size").
+            from pallas_kernels.logprobs import block_layout
+
+            info["logprob_vocab_blocks"] = block_layout(order, int(mc.vocab_size))
         return info
 
     def shutdown(self) -> None:

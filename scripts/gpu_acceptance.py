@@ -1,0 +1,284 @@
+"""Trainer alignment at production widths on the GPU: the acceptance step of docs/gpu-validation.md.
+
+    python3 scripts/gpu_acceptance.py --out DIR [--cases llama llama31 qwen3 qwen2] [--max-len 4096]
+    python3 scripts/gpu_acceptance.py --out DIR --smoke   # the plumbing on a CPU: small widths
+
+(scripts/gpu_run.sh step `acceptance` installs the carried jax-triton wheel and runs it.)
+
+Per case, a random HF checkpoint in bf16 (every >= 2-D weight ~ N(0, 0.02), norms 1), 2 layers,
+hidden 4096, 32 query / 8 KV heads, head_dim 128, the real vocabularies:
+
+  llama    LlamaForCausalLM, intermediate 14336, rope_theta 5e5, vocab 128256
+  llama31  the same with Llama-3.1 rope scaling (llama3: factor 8, low 1, high 4, original 8192)
+  qwen3    Qwen3ForCausalLM (q/k norm), intermediate 12288, vocab 151936
+  qwen2    Qwen2ForCausalLM (q/k/v bias), intermediate 18944, vocab 152064
+
+Sequences: random ids of 7, 64, 333, 1000 and --max-len tokens, and a chat-template conversation.
+The trainer is HF transformers' own forward on CUDA under trainer mode (the Triton twins); its
+logprobs are written in all four forms the engine offers (neg-ce / direct x 32768 / 16384 blocks).
+The engine (one rl-bitwise Engine per case; the sampler is re-planned per logprob order, which
+changes no step program) teacher-forces every sequence and runs both self-consistency checks.
+Negative control per case: the same forward without trainer mode (stock torch) must MISMATCH.
+
+Writes DIR/acceptance.md (the table for docs/gpu-validation.md) and DIR/acceptance.json; exit 0 only
+if every variant of every case matches and every negative control mismatches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WIDTHS = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+              num_hidden_layers=2, max_position_embeddings=16384, rms_norm_eps=1e-5)
+CASES = {
+    "llama": ("LlamaForCausalLM", dict(intermediate_size=14336, vocab_size=128256,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+                                       tie_word_embeddings=False)),
+    "llama31": ("LlamaForCausalLM", dict(intermediate_size=14336, vocab_size=128256,
+                                         tie_word_embeddings=False,
+                                         rope_parameters={"rope_type": "llama3", "rope_theta": 5e5,
+                                                          "factor": 8.0, "low_freq_factor": 1.0,
+                                                          "high_freq_factor": 4.0,
+                                                          "original_max_position_embeddings": 8192})),
+    "qwen3": ("Qwen3ForCausalLM", dict(intermediate_size=12288, vocab_size=151936,
+                                       tie_word_embeddings=False,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "qwen2": ("Qwen2ForCausalLM", dict(intermediate_size=18944, vocab_size=152064,
+                                       tie_word_embeddings=False,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+}
+VARIANTS = [("neg-ce", 32768), ("direct", 32768), ("neg-ce", 16384), ("direct", 16384)]
+CHAT = [{"role": "system", "content": "You are a numerical analyst."},
+        {"role": "user", "content": " ".join(f"Question {i}: why is the fp32 fold of block partials "
+                                             "done left to right?" for i in range(30))},
+        {"role": "assistant", "content": " ".join(f"Answer {i}: so the order never depends on the "
+                                                  "batch or on the shard count." for i in range(30))}]
+
+
+DEVICE = "cuda"
+
+
+def build_model(directory: Path, arch: str, dims: dict, seed: int):
+    """The checkpoint on disk and the same model on the GPU (bf16)."""
+    import torch
+    import transformers
+
+    from interop.testing import write_tiny_tokenizer
+    from jengine.models import tiny
+
+    directory.mkdir(parents=True, exist_ok=True)
+    special = write_tiny_tokenizer(directory)
+    cfg = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
+        **WIDTHS, **dims, eos_token_id=special[tiny.IM_END], pad_token_id=special[tiny.ENDOFTEXT],
+        bos_token_id=None, architectures=[arch], dtype="bfloat16",
+        **({"attention_bias": False} if arch != "Qwen2ForCausalLM" else {}))
+    with torch.device(DEVICE):
+        model = getattr(transformers, arch)(cfg).to(torch.bfloat16)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=g)
+            elif name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:  # biases
+                p.normal_(0.0, 0.02, generator=g)
+    model.save_pretrained(directory)
+    return model.eval()
+
+
+def sequences(directory: Path, vocab: int, max_len: int, seed: int) -> list[tuple[list[int], int | None]]:
+    import numpy as np
+
+    from interop.trainer_dump import parse_input_line
+    from jengine.models.tokenizer import Tokenizer
+
+    rng = np.random.default_rng(seed)
+    out = [(rng.integers(0, vocab, n).tolist(), None) for n in (7, 64, 333, 1000, max_len)]
+    chat = parse_input_line({"messages": CHAT}, "chat", Tokenizer.from_dir(directory))
+    return out + [(chat.ids, chat.prompt_len)]
+
+
+def trainer_records(model, seqs, *, stock: bool) -> dict:
+    """{(form, block): [dump records]} from one forward per sequence."""
+    import torch
+
+    from interop import trainer_mode
+    from interop.states import capture_hf_states
+    from interop.twins import plan_twin_table
+    from interop.trainer_logprobs import token_logprobs
+
+    variants = VARIANTS[:1] if stock else VARIANTS
+    records = {v: [] for v in variants}
+    mode = None if stock else trainer_mode.enable(model, device=DEVICE)
+    table = plan_twin_table(DEVICE)
+    try:
+        for ids, prompt_len in seqs:
+            t = torch.tensor(ids, dtype=torch.long, device=DEVICE)[None]
+            with torch.no_grad():
+                # Named states of the first 64 positions, for --bisect should a sequence mismatch.
+                with capture_hf_states(model, min(64, len(ids))) as states:
+                    logits = model(t, use_cache=False).logits[0]
+                for form, block in variants:
+                    lp = token_logprobs(logits[:-1], t[0, 1:], form=form, block_size=block, table=table)
+                    rec = {"ids": t[0].cpu(), "logprob": lp.float().cpu(),
+                           "layout": f"TP1 bf16 {DEVICE} {'stock-torch' if stock else 'trainer-mode'}",
+                           "commit": "scripts/gpu_acceptance.py"}
+                    if prompt_len:
+                        rec["prompt_len"] = prompt_len
+                    if not stock:
+                        rec["states"] = dict(states)
+                    records[(form, block)].append(rec)
+            del logits
+    finally:
+        if mode is not None:
+            summary = mode.summary()
+            trainer_mode.disable()
+            print(summary, flush=True)
+            if mode.fallbacks:
+                raise RuntimeError(f"trainer mode fell back to torch kernels: {summary}")
+    return records
+
+
+def rope_finding(case: str, arch: str, dims: dict) -> str:
+    """How far the old XLA-on-GPU frequencies were from torch's (the cause found for this issue)."""
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from interop import trainer_mode
+    from jengine.models.rope import inv_freq_and_scaling
+
+    rope = dims["rope_parameters"]
+    cfg = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**WIDTHS, **dims)
+    with trainer_mode.enable(device=DEVICE):  # HF's own function on CUDA, pow routed to XLA's
+        if rope["rope_type"] == "default":
+            exponent = torch.arange(0, 128, 2, dtype=torch.int64, device=DEVICE).float() / 128
+            hf = 1.0 / (rope["rope_theta"] ** exponent)
+        else:
+            hf, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](cfg, device=DEVICE)
+    hf = hf.cpu().numpy()
+    ours, _ = inv_freq_and_scaling(128, rope["rope_theta"], None if rope["rope_type"] == "default"
+                                   else {k: v for k, v in rope.items() if k != "rope_theta"},
+                                   WIDTHS["max_position_embeddings"],
+                                   frequency_device="device")
+    exponent = jnp.arange(0, 128, 2, dtype=jnp.int32).astype(jnp.float32) / jnp.float32(128)
+    old = np.asarray(jnp.float32(1.0) / (jnp.float32(rope["rope_theta"]) ** exponent))
+    diff = lambda a, b: int((a.view(np.uint32) != b.view(np.uint32)).sum())  # noqa: E731
+    return (f"{case}: inv_freq, HF on CUDA (pow routed) vs engine: {diff(hf, ours)} of 64 differ; "
+            f"the default frequencies with XLA's GPU division (the old engine) vs HF default: "
+            f"{diff(old, hf) if rope['rope_type'] == 'default' else 'n/a'}")
+
+
+def run_case(case: str, work: Path, max_len: int, lines: list[str]) -> dict:
+    import torch
+
+    from interop.align import run_alignment
+    from jengine.engine.engine import Engine
+    from jengine.engine.sampler import Sampler
+    from interop.trainer_logprobs import logprob_order_for
+
+    arch, dims = CASES[case]
+    t0 = time.perf_counter()
+    model = build_model(work / case, arch, dims, seed=len(case))
+    seqs = sequences(work / case, dims["vocab_size"], max_len, seed=len(case))
+    trainer = trainer_records(model, seqs, stock=False)
+    stock = trainer_records(model, seqs, stock=True)[VARIANTS[0]]
+    finding = rope_finding(case, arch, dims)
+    del model
+    torch.cuda.empty_cache()
+    result = {"case": case, "arch": arch, "lengths": [len(s) for s, _ in seqs], "variants": {},
+              "rope": finding}
+    eng = Engine(model_path=str(work / case), numerics="rl-bitwise", skip_warmup=True,
+                 max_total_tokens=3 * 8192, chunked_prefill_size=1024, max_prefill_tokens=2048,
+                 input_logprob_chunk_tokens=256)
+    try:
+        for form, block in VARIANTS:
+            order = logprob_order_for(form, block)
+            resolved = dataclasses.replace(eng.resolved,
+                                           config=eng.resolved.config.replace(logprob_order=order))
+            eng.sampler = Sampler(resolved, dims["vocab_size"])  # the step programs are unchanged
+            out: list[str] = []
+            ok = run_alignment(eng, trainer[(form, block)], self_consistency=True, bisect=True,
+                               out=out.append)
+            result["variants"][order] = {"ok": ok, "report": out}
+            lines.append(f"### {case} {arch} --logprob-order {order}: {'PASS' if ok else 'FAIL'}")
+            lines += [f"    {line}" for line in out]
+        eng.sampler = Sampler(dataclasses.replace(
+            eng.resolved, config=eng.resolved.config.replace(logprob_order="blockwise")),
+            dims["vocab_size"])
+        out = []
+        ok = run_alignment(eng, stock, self_consistency=False, out=out.append)
+        result["negative_control"] = {"mismatched": not ok, "report": out}
+        lines.append(f"### {case} negative control (stock torch, must MISMATCH): "
+                     f"{'PASS' if not ok else 'FAIL'}")
+        lines += [f"    {line}" for line in out]
+    finally:
+        eng.shutdown()
+    lines.append(f"    {finding}")
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    print("\n".join(lines[-3:]), flush=True)
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--work", default="/tmp/acceptance")
+    p.add_argument("--smoke", action="store_true", help="CPU, hidden 256 / 2 query heads: the "
+                   "script's plumbing only, no evidence")
+    args = p.parse_args(argv)
+    if args.smoke:
+        global DEVICE
+        DEVICE = "cpu"
+        WIDTHS.update(hidden_size=256, num_attention_heads=2, num_key_value_heads=1)
+        for _, dims in CASES.values():
+            dims["intermediate_size"] = 512
+    from interop import trainer_mode
+
+    trainer_mode.ensure_xla_environment()  # the engine's XLA flags, before JAX starts
+    out, work = Path(args.out), Path(args.work)
+    out.mkdir(parents=True, exist_ok=True)
+    import jax
+    import torch
+    import transformers
+
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU smoke run"
+    lines = [f"H200 acceptance: {device}, jax {jax.__version__}, torch "
+             f"{torch.__version__}, transformers {transformers.__version__}"]
+    results, all_ok = [], True
+    for case in args.cases:
+        try:
+            r = run_case(case, work, args.max_len, lines)
+        except Exception as e:  # one case's crash is a FAIL row, not a lost run
+            import traceback
+
+            traceback.print_exc()
+            r = {"case": case, "error": f"{type(e).__name__}: {e}"}
+            lines.append(f"### {case}: ERROR {r['error']}")
+        results.append(r)
+        case_ok = "error" not in r and all(v["ok"] for v in r["variants"].values()) and \
+            r["negative_control"]["mismatched"]
+        all_ok &= case_ok
+        (out / "acceptance.json").write_text(json.dumps(results, indent=1, default=str))
+        (out / "acceptance.md").write_text("\n".join(lines) + "\n")
+    print(f"acceptance: {'PASS' if all_ok else 'FAIL'}", flush=True)
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    sys.exit(main())
