@@ -44,7 +44,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     args = parser.parse_args(argv)
     module = importlib.import_module(COMMANDS[command][0])
-    return int(module.main(args) or 0)
+    from jengine.numerics import NumericsRefusal
+
+    try:
+        return int(module.main(args) or 0)
+    except NumericsRefusal as e:  # the envelope's answer to the user's launch, not a crash
+        print(f"jengine {command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@
 #                  schedules), torch launch == JAX launch, error vs float64
 #   harness        jengine invariance --numerics rl-bitwise (tiny model, Triton leaves planned)
 #   harness_auto   the same under --numerics auto (the negative control: must diverge)
+#   refuse_f32     an f32 launch under rl-bitwise on the GPU must be refused (rc != 0, the reason)
 #   profile        scripts/gpu_profile_step.py, auto and rl-bitwise, decode bs 64 ctx 1024
 #   profile_bs1    the same at batch 1
 #   profile_cmdbuf the profile with XLA command buffers for custom calls (an experiment)
@@ -54,6 +55,7 @@ for s in "$@"; do
     sumexp) step sumexp 150 python3 scripts/gpu_validate.py --skip-harness --only block_sumexp --out "$out/val_sumexp" ;;
     harness) step harness 170 python3 -m jengine.cli invariance --numerics rl-bitwise --max-new-tokens 8 ;;
     harness_auto) step harness_auto 150 python3 -m jengine.cli invariance --numerics auto --temperature 0 --max-new-tokens 8 ;;
+    refuse_f32) step refuse_f32 120 python3 -m jengine.cli generate --model tiny --numerics rl-bitwise --dtype float32 --prompt hi --max-new-tokens 1 --skip-warmup ;;
     profile)
       step profile_auto 150 python3 scripts/gpu_profile_step.py --numerics auto --batch 64 --out "$out"
       step profile_rl 150 python3 scripts/gpu_profile_step.py --numerics rl-bitwise --batch 64 --out "$out" ;;
