@@ -224,4 +224,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except ModuleNotFoundError as e:
+        from jengine.cli import TORCH_SIDE, torch_side_message
+
+        if e.name not in TORCH_SIDE:
+            raise
+        print(torch_side_message("python -m interop.trainer_dump", e.name), file=sys.stderr)
+        sys.exit(2)

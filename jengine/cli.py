@@ -38,19 +38,34 @@ def main(argv: list[str] | None = None) -> int:
 
     load_numerics_plugins()  # plugin envelopes exist before any --numerics is validated
     command = argv[0] if argv and argv[0] in COMMANDS else None
-    parser = build_parser(command)
-    if command is None:
-        parser.print_help()
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
-    args = parser.parse_args(argv)
-    module = importlib.import_module(COMMANDS[command][0])
     from jengine.numerics import NumericsRefusal
 
     try:
+        parser = build_parser(command)
+        if command is None:
+            parser.print_help()
+            return 0 if not argv or argv[0] in ("-h", "--help") else 2
+        args = parser.parse_args(argv)
+        module = importlib.import_module(COMMANDS[command][0])
         return int(module.main(args) or 0)
-    except NumericsRefusal as e:  # the envelope's answer to the user's launch, not a crash
+    except (NumericsRefusal, FileNotFoundError) as e:  # the answer to the user's input, not a crash
         print(f"jengine {command}: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:
+        if e.name not in TORCH_SIDE:
+            raise
+        print(torch_side_message(f"jengine {command}", e.name), file=sys.stderr)
+        return 2
+
+
+# The trainer side (interop: align, ops-report, trainer_dump) runs torch and HF transformers, which
+# the serving install does not pull in.
+TORCH_SIDE = ("torch", "transformers")
+
+
+def torch_side_message(command: str, missing: str) -> str:
+    return (f"{command} needs {missing} (the trainer side, not installed with jengine itself): "
+            "pip install 'jengine[torch]'")
 
 
 if __name__ == "__main__":

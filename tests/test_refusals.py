@@ -90,3 +90,32 @@ def test_the_same_models_start_under_auto(models):
         out = eng.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2,
                                                                  "temperature": 0})
         assert len(out["output_ids"]) == 2
+
+
+# Run a command with torch and transformers unimportable, as after the README's plain install.
+NO_TORCH = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None; "
+            "import runpy; sys.argv = {argv!r}; runpy.run_module({module!r}, run_name='__main__')")
+
+
+@pytest.mark.parametrize("module, argv, command", [
+    ("jengine.cli", ["jengine", "ops-report"], "jengine ops-report"),
+    ("jengine.cli", ["jengine", "align", "--dump", "{dump}"], "jengine align"),
+    ("interop.trainer_dump", ["trainer_dump", "--hf-model", "m", "--input", "i", "--out", "o"],
+     "python -m interop.trainer_dump"),
+])
+def test_torch_side_commands_without_torch_say_how_to_install(module, argv, command, tmp_path):
+    dump = tmp_path / "dump.pt"
+    dump.write_bytes(b"not read without torch")
+    argv = [a.format(dump=dump) for a in argv]
+    proc = subprocess.run([sys.executable, "-c", NO_TORCH.format(argv=argv, module=module)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"{command} needs" in proc.stderr and "pip install 'jengine[torch]'" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_missing_dump_is_a_clean_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "jengine.cli", "align", "--dump",
+                           str(tmp_path / "missing.pt")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "trainer dump not found" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -45,6 +45,8 @@ class FakeEngine:
         self.token_delay_s = token_delay_s
         self.submitted: list[dict] = []
         self.aborted: set[str] = set()
+        self.abort_messages: dict[str, str] = {}
+        self.abort_calls = 0
         self._lock = threading.Lock()
         self._running: set[str] = set()
 
@@ -65,12 +67,13 @@ class FakeEngine:
         threading.Thread(target=self._run, args=args, daemon=True).start()
         return rid
 
-    def abort(self, rid: str) -> bool:
+    def abort_many(self, rids, message: str = "aborted by the client") -> int:
         with self._lock:
-            if rid not in self._running:
-                return False
-            self.aborted.add(rid)
-            return True
+            found = [r for r in rids if r in self._running]
+            self.aborted.update(found)
+            self.abort_messages.update({r: message for r in found})
+            self.abort_calls += 1
+            return len(found)
 
     def flush_cache(self) -> bool:
         return True
@@ -98,7 +101,7 @@ class FakeEngine:
             if self.token_delay_s:
                 time.sleep(self.token_delay_s)
             if rid in self.aborted:
-                reason = {"type": "abort", "message": "aborted by the client"}
+                reason = {"type": "abort", "message": self.abort_messages.get(rid, "aborted")}
                 break
             out_ids.append(self.token_at(seed, len(ids) + j, vocab))
             if stream and j < sp.max_new_tokens - 1:

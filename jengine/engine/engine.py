@@ -147,15 +147,24 @@ class Engine:
                               top_logprobs_num=top_logprobs_num, rid=rid)
         return self._enqueue([reqs], stream=stream, on_output=on_output)[0]
 
-    def abort(self, rid: str) -> bool:
+    def abort(self, rid: str, message: str = "aborted by the client") -> bool:
         """Abort a request in flight (for n > 1, the base rid aborts every sample). Its pages are
         freed; its waiter gets a final output with finish_reason abort. False if none is in flight."""
+        return self.abort_many([rid], message) > 0
+
+    def abort_many(self, rids, message: str = "aborted by the client") -> int:
+        """Abort every listed request (base rids included) in ONE engine command, however many:
+        a client that leaves with 20000 samples in flight costs one step boundary, not 20000.
+        ``message`` is the finish reason's message. Returns how many requests were aborted."""
+        wanted = set(rids)
         with self._cv:
-            rids = [r for r, h in self._tracked.items() if r == rid or h.rid == rid]
+            targets = [r for r, h in self._tracked.items() if r in wanted or h.rid in wanted]
+        if not targets:
+            return 0
         if self.output_processor.in_processor_thread():
-            for r in rids:  # from an on_output callback: cut the output where the caller saw it
+            for r in targets:  # from an on_output callback: cut the output where the caller saw it
                 self.output_processor.abort_from_callback(r)
-        return any([bool(self._call("abort", r)) for r in rids])
+        return int(self._call("abort", (targets, message)) or 0)
 
     def flush_cache(self) -> bool:
         return bool(self._call("flush", None))
@@ -314,12 +323,16 @@ class Engine:
         arg, box = payload
         try:
             if op == "abort":
-                req = self.scheduler.find(arg)
-                box["result"] = req is not None
-                if req is not None:
-                    self.scheduler.finish(req)
-                    req.finish("abort", message="aborted by the client")
-                    self._emit(req)
+                rids, message = arg
+                aborted = 0
+                for rid in rids:
+                    req = self.scheduler.find(rid)
+                    if req is not None:
+                        self.scheduler.finish(req)
+                        req.finish("abort", message=message)
+                        self._emit(req)
+                        aborted += 1
+                box["result"] = aborted
             elif op == "flush":
                 self.scheduler.flush_cache()
                 box["result"] = True

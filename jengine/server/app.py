@@ -6,8 +6,9 @@ Routes (docs/serving.md has a curl example for each):
     GET  /health, /health_generate, /get_model_info, /get_server_info, /metrics
     POST /flush_cache, /abort_request
 
-Every client mistake is a 400 whose JSON body names the field and the value (errors.py); an
-unexpected failure inside one request is a 500 for that request only.
+Every client mistake is a 400 (413 for an oversized body) whose JSON body names the field and the
+value (errors.py); a request that could be served later, but not now, is a 503 with Retry-After
+(admission.py); an unexpected failure inside one request is a 500 for that request only.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.responses import Response
 
 from jengine.server import errors
-from jengine.server.async_engine import AsyncEngine
+from jengine.server.admission import AdmissionLimits
+from jengine.server.async_engine import SHUTDOWN_MESSAGE, AsyncEngine
 from jengine.server.errors import RequestError, error_response
 from jengine.server.generate_api import router as generate_router
 from jengine.server.http_utils import ApiKeyMiddleware, ClientGone, JSONResponse, RequestCounter
@@ -48,26 +50,29 @@ class ServerState:
     model_name: str  # reported by /v1/models and checked against a request's `model`
     model_path: str
     limits: Any  # inputs.ModelLimits
+    admission: AdmissionLimits
     extra_info: dict  # server-only options (e.g. the graceful-shutdown timeout) for /get_server_info
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
 def create_app(engine: Any, *, api_key: str | None = None, served_model_name: str | None = None,
-               extra_info: dict | None = None) -> FastAPI:
+               extra_info: dict | None = None, admission: AdmissionLimits | None = None) -> FastAPI:
     launch = engine.resolved.config
+    admission = admission or AdmissionLimits()
     metrics = ServerMetrics(engine)
-    aengine = AsyncEngine(engine, metrics)
+    aengine = AsyncEngine(engine, metrics, admission=admission)
     metrics.in_flight = lambda: aengine.num_in_flight
     state = ServerState(
         engine=engine, aengine=aengine, metrics=metrics,
         model_name=served_model_name or launch.served_model_name or launch.model_path,
-        model_path=launch.model_path, limits=model_limits(engine), extra_info=dict(extra_info or {}))
+        model_path=launch.model_path, limits=model_limits(engine), admission=admission,
+        extra_info={**(extra_info or {}), "admission": admission.as_dict()})
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         aengine.draining = True
-        await aengine.abort_all()
+        await aengine.abort_all(SHUTDOWN_MESSAGE)
         aengine.close()
 
     app = FastAPI(title="jengine", lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -87,6 +92,7 @@ def create_app(engine: Any, *, api_key: str | None = None, served_model_name: st
 
 
 async def _client_gone(request: Request, exc: ClientGone) -> Response:
+    logger.info("client left %s before its response; its requests were aborted", request.url.path)
     return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
 
@@ -110,7 +116,7 @@ def _add_admin_routes(app: FastAPI, state: ServerState) -> None:
         if aengine.draining:
             return error_response("server is shutting down", status=503)
         handle = await aengine.submit(input_ids=[0], sampling_params={
-            "max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True})
+            "max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}, admit=False)
         try:
             out = await asyncio.wait_for(handle.final(), HEALTH_GENERATE_TIMEOUT_S)
         except asyncio.TimeoutError:

@@ -7,19 +7,24 @@ reads. Tokenization, chat templating and engine calls that may wait on the engin
 small thread pool, so neither the event loop nor the engine step waits on them.
 
 It also keeps the set of requests in flight, which is what abort-on-disconnect and graceful
-shutdown act on.
+shutdown act on, and their work against the admission bounds (admission.py). Aborts are
+coalesced: every abort asked for while one is being carried out goes to the engine in the next
+single `abort_many` call, so a client leaving with 20000 samples in flight costs one engine step
+boundary, and the control pool is never queued behind thousands of single aborts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
+from jengine.server.admission import AdmissionLimits, WorkQueue
 from jengine.server.errors import RequestError, from_value_error
 
 logger = logging.getLogger(__name__)
@@ -91,9 +96,18 @@ class RequestStream:
         self.owner.abort_soon(self.rid)
 
 
+SHUTDOWN_MESSAGE = "server shutting down"
+
+
 class AsyncEngine:
-    def __init__(self, engine: Any, metrics: Any = None, tokenizer_threads: int = 2):
+    def __init__(self, engine: Any, metrics: Any = None, tokenizer_threads: int = 2,
+                 admission: AdmissionLimits | None = None):
         self.engine = engine
+        self.admission = admission or AdmissionLimits()
+        self.work = WorkQueue(self.admission, int(engine.resolved.config.max_running_requests))
+        self._pending_aborts: dict[str, str] = {}  # rid -> message, for the next abort_many
+        self._abort_lock = threading.Lock()
+        self._abort_flush_scheduled = False
         self.metrics = metrics  # ServerMetrics: latency histograms observed per request
         self.tokenizer = engine.tokenizer
         # Tokenization and submission share one pool; calls that wait for the engine thread to
@@ -142,14 +156,41 @@ class AsyncEngine:
 
     async def submit(self, *, input_ids: list[int], sampling_params: dict, rid: str | None = None,
                      return_logprob: bool = False, logprob_start_len: int = -1,
-                     top_logprobs_num: int = 0, stream: bool = False) -> RequestStream:
-        """Submit one request. The engine validates synchronously; its ValueError propagates
-        (the app maps it to a 400 naming the field)."""
+                     top_logprobs_num: int = 0, stream: bool = False,
+                     admit: bool = True) -> RequestStream:
+        """Submit one request (admission-checked unless ``admit`` is False: /health_generate's
+        probe). The engine validates synchronously; its ValueError propagates (the app maps it to
+        a 400 naming the field)."""
+        return (await self.submit_all([dict(
+            input_ids=input_ids, sampling_params=sampling_params, rid=rid,
+            return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num, stream=stream)], admit=admit))[0]
+
+    async def submit_all(self, items: list[dict], admit: bool = True) -> list[RequestStream]:
+        """Submit a batch whole or not at all: admission first (503 if it cannot fit now), then each
+        item; if the engine refuses one, the ones already admitted are aborted."""
         if self.draining:
             raise RequestError("server is shutting down; not admitting new requests", status=503)
-        rid = rid or uuid.uuid4().hex
-        if rid in self._in_flight:
-            raise RequestError(f"rid={rid!r} is already in flight", "rid", rid)
+        items = [{**it, "rid": it.get("rid") or uuid.uuid4().hex} for it in items]
+        for i, it in enumerate(items):
+            if it["rid"] in self._in_flight or any(it["rid"] == o["rid"] for o in items[:i]):
+                raise RequestError(f"rid={it['rid']!r} is already in flight", "rid", it["rid"])
+        if admit:
+            self.work.reserve(items)  # synchronous on the loop: atomic against other requests
+        handles: list[RequestStream] = []
+        try:
+            for item in items:
+                handles.append(await self._submit_one(**item))
+        except BaseException:
+            for h in handles:
+                h.abort()
+                self._forget(h.rid)
+            for item in items[len(handles):]:
+                self.work.release(item["rid"])
+            raise
+        return handles
+
+    async def _submit_one(self, *, rid: str, stream: bool = False, **item: Any) -> RequestStream:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         handle = RequestStream(self, rid, queue)
@@ -162,30 +203,15 @@ class AsyncEngine:
 
         self._in_flight[rid] = handle
         try:
-            await self.run_blocking(
-                self.engine.submit, input_ids=input_ids, sampling_params=sampling_params,
-                return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                top_logprobs_num=top_logprobs_num, rid=rid, stream=stream, on_output=on_output)
+            await self.run_blocking(self.engine.submit, rid=rid, stream=stream,
+                                    on_output=on_output, **item)
         except ValueError as exc:  # the engine's own validation: a client mistake
-            self._in_flight.pop(rid, None)
+            self._forget(rid)
             raise from_value_error(exc) from None
         except BaseException:
-            self._in_flight.pop(rid, None)
+            self._forget(rid)
             raise
         return handle
-
-    async def submit_all(self, items: list[dict]) -> list[RequestStream]:
-        """Submit a batch; if any item is refused, abort the ones already admitted."""
-        handles: list[RequestStream] = []
-        try:
-            for item in items:
-                handles.append(await self.submit(**item))
-        except BaseException:
-            for h in handles:
-                h.abort()
-                self._forget(h.rid)
-            raise
-        return handles
 
     def _observe(self, handle: RequestStream, update: Update) -> None:
         if self.metrics is None:
@@ -197,31 +223,56 @@ class AsyncEngine:
 
     def _forget(self, rid: str) -> None:
         self._in_flight.pop(rid, None)
+        self.work.release(rid)
 
-    def abort_soon(self, rid: str) -> None:
-        """Abort without waiting (callable from a `finally` of a cancelled task)."""
-        self._control_pool.submit(self._abort_logged, rid)
-
-    def _abort_logged(self, rid: str) -> bool:
+    def abort_soon(self, rid: str, message: str = "aborted by the client") -> None:
+        """Abort without waiting (callable from a `finally` of a cancelled task, any thread).
+        Coalesced with every other abort asked for before the control thread gets to it."""
+        with self._abort_lock:
+            self._pending_aborts.setdefault(rid, message)
+            if self._abort_flush_scheduled:
+                return
+            self._abort_flush_scheduled = True
         try:
-            return bool(self.engine.abort(rid))
+            self._control_pool.submit(self._flush_aborts)
+        except RuntimeError:  # the pool is shut down: the engine aborts everything on shutdown
+            pass
+
+    def _flush_aborts(self) -> None:
+        with self._abort_lock:
+            pending, self._pending_aborts = self._pending_aborts, {}
+            self._abort_flush_scheduled = False
+        by_message: dict[str, list[str]] = {}
+        for rid, message in pending.items():
+            by_message.setdefault(message, []).append(rid)
+        for message, rids in by_message.items():
+            self._abort_logged(rids, message)
+
+    def _abort_logged(self, rids: list[str], message: str = "aborted by the client") -> int:
+        try:
+            return int(self.engine.abort_many(rids, message))
         except Exception:  # an abort must never take the server down
-            logger.exception("engine.abort(%r) failed", rid)
-            return False
+            logger.exception("engine.abort_many(%d requests) failed", len(rids))
+            return 0
+
+    def _matching(self, rid: str) -> list[str]:
+        """`rid` itself, or, for a request sent with n > 1, its samples `<rid>-<j>` (the engine's
+        naming), or a batch's items `<rid>_<i>` (SGLang's prefix form)."""
+        if rid in self._in_flight:
+            return [rid]
+        return [r for r in self._in_flight
+                if r[:len(rid) + 1] in (rid + "-", rid + "_") and r[len(rid) + 1:].isdigit()]
 
     async def abort(self, rid: str) -> bool:
-        """Abort `rid`; a request sent with n > 1 is aborted as a whole by its own rid (its
-        samples run as `<rid>-<j>`, the engine's naming)."""
-        samples = [r for r in self._in_flight
-                   if r.startswith(rid + "-") and r[len(rid) + 1:].isdigit()]
-        rids = [rid] if rid in self._in_flight or not samples else samples
-        results = [await self.run_control(self._abort_logged, r) for r in rids]
-        return any(results)
+        """Abort `rid` (and its samples or batch items) in one engine call."""
+        rids = self._matching(rid) or [rid]
+        return await self.run_control(self._abort_logged, rids) > 0
 
-    async def abort_all(self) -> int:
+    async def abort_all(self, message: str = "aborted by the client") -> int:
+        """Abort everything in flight in one engine call; answers within one engine step."""
         rids = list(self._in_flight)
-        for rid in rids:
-            await self.run_control(self._abort_logged, rid)
+        if rids:
+            await self.run_control(self._abort_logged, rids, message)
         return len(rids)
 
     def close(self) -> None:

@@ -1,13 +1,15 @@
 """`jengine serve` / `python -m jengine.serve`: build the Engine, then serve it with uvicorn.
 
 Options are LaunchConfig's (jengine.config.add_launch_arguments), plus the server-only
---graceful-shutdown-timeout. With no options: the embedded `tiny` model on 127.0.0.1:30000.
+--graceful-shutdown-timeout and the admission bounds (jengine/server/admission.py: --max-n,
+--max-batch-requests, --max-request-bytes, --max-waiting-requests, --max-queued-tokens). With no
+options: the embedded `tiny` model on 127.0.0.1:30000.
 
 Shutdown. On SIGINT or SIGTERM the server stops admitting (the listening socket closes, /health
 and new requests on open connections answer 503), lets in-flight requests finish for up to
 --graceful-shutdown-timeout seconds, aborts whatever is still running (each such request gets its
-final output with finish_reason "abort"), shuts the engine down and exits with status 0. A second
-SIGINT exits at once.
+final output with finish_reason "abort", message "server shutting down"), shuts the engine down
+and exits with status 0. A second SIGINT exits at once.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Any
 import uvicorn
 
 from jengine.config import add_launch_arguments, launch_config_from_args
+from jengine.server.admission import AdmissionLimits
+from jengine.server.async_engine import SHUTDOWN_MESSAGE
 
 logger = logging.getLogger("jengine.server")
 
@@ -36,6 +40,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
                         help="on SIGINT/SIGTERM, seconds in-flight requests may run before they "
                              "are aborted (default 30)")
+    d = AdmissionLimits()
+    group = parser.add_argument_group("admission (400/413: can never fit; 503 + Retry-After: not now)")
+    group.add_argument("--max-n", type=int, default=d.max_n,
+                       help=f"samples per prompt, every route (default {d.max_n})")
+    group.add_argument("--max-batch-requests", type=int, default=d.max_batch_requests,
+                       help="generations one HTTP request may create, prompts x n "
+                            f"(default {d.max_batch_requests})")
+    group.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                       help=f"request body size, checked before parsing (default {d.max_request_bytes})")
+    group.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
+                       help="requests in flight beyond the running set "
+                            f"(default {d.max_waiting_requests})")
+    group.add_argument("--max-queued-tokens", type=int, default=d.max_queued_tokens,
+                       help="prompt + max_new_tokens of all requests in flight "
+                            f"(default {d.max_queued_tokens})")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -60,6 +79,13 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.graceful_shutdown_timeout < 0:
         raise SystemExit(f"--graceful-shutdown-timeout={args.graceful_shutdown_timeout} must be >= 0")
+    try:
+        admission = AdmissionLimits(max_n=args.max_n, max_batch_requests=args.max_batch_requests,
+                                    max_request_bytes=args.max_request_bytes,
+                                    max_waiting_requests=args.max_waiting_requests,
+                                    max_queued_tokens=args.max_queued_tokens)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
     # Until uvicorn takes over the signals, SIGTERM (like Ctrl-C) stops the startup cleanly.
     previous = signal.signal(signal.SIGTERM, _interrupt)
@@ -72,7 +98,8 @@ def main(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
     try:
         app = create_app(engine, api_key=config.api_key, served_model_name=config.served_model_name,
-                         extra_info={"graceful_shutdown_timeout": args.graceful_shutdown_timeout})
+                         extra_info={"graceful_shutdown_timeout": args.graceful_shutdown_timeout},
+                         admission=admission)
         server = GracefulServer(
             uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                            timeout_graceful_shutdown=args.graceful_shutdown_timeout + 10.0,
@@ -124,7 +151,7 @@ class GracefulServer(uvicorn.Server):
         await asyncio.sleep(self.grace_s)
         if self.aengine.num_in_flight:
             logger.info("grace period over: aborting %d request(s)", self.aengine.num_in_flight)
-            await self.aengine.abort_all()
+            await self.aengine.abort_all(SHUTDOWN_MESSAGE)
 
     @contextlib.contextmanager
     def capture_signals(self):

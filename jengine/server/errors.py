@@ -24,12 +24,14 @@ _MAX_VALUE_CHARS = 200  # a 100k-token prompt must not be echoed back whole
 class RequestError(Exception):
     """A client mistake: becomes an HTTP error naming `field` and `value`."""
 
-    def __init__(self, message: str, field: str | None = None, value: Any = None, status: int = 400):
+    def __init__(self, message: str, field: str | None = None, value: Any = None, status: int = 400,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message = message
         self.field = field
         self.value = value
         self.status = status
+        self.headers = headers
 
     def renamed(self, names: dict[str, str]) -> "RequestError":
         """The same error with engine field names replaced by the route's (max_new_tokens -> max_tokens)."""
@@ -38,7 +40,7 @@ class RequestError(Exception):
         head, sep, tail = self.field.partition("[")
         new_field = names.get(head, head) + sep + tail
         message = self.message.replace(self.field, new_field) if new_field != self.field else self.message
-        return RequestError(message, new_field, self.value, self.status)
+        return RequestError(message, new_field, self.value, self.status, self.headers)
 
 
 def _json_safe(value: Any) -> Any:
@@ -54,12 +56,14 @@ def _json_safe(value: Any) -> Any:
 
 
 def error_response(message: str, field: str | None = None, value: Any = None,
-                   status: int = 400, kind: str | None = None) -> JSONResponse:
+                   status: int = 400, kind: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
     kind = kind or {400: "invalid_request_error", 401: "authentication_error",
-                    404: "not_found_error", 503: "service_unavailable"}.get(status, "server_error")
+                    404: "not_found_error", 413: "request_too_large",
+                    503: "service_unavailable"}.get(status, "server_error")
     body = {"error": {"message": message, "type": kind, "field": field, "value": _json_safe(value),
                       "code": status}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 # The engine's own validation raises ValueError with a message such as
@@ -92,7 +96,7 @@ def validation_error(errors: list[dict]) -> RequestError:
 
 
 async def handle_request_error(request: Request, exc: RequestError) -> JSONResponse:
-    return error_response(exc.message, exc.field, exc.value, exc.status)
+    return error_response(exc.message, exc.field, exc.value, exc.status, headers=exc.headers)
 
 
 async def handle_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -1,8 +1,11 @@
 """POST /generate: SGLang's native dialect, the one RL frameworks (slime, miles, verl) speak.
 
 Request: `text` or `input_ids`, single or batch; `sampling_params` (one object, or one per batch
-item); `return_logprob`, `logprob_start_len`, `top_logprobs_num`, `return_text_in_logprobs`;
-`rid`; `stream`. `sampling_params.n > 1` samples n continuations per prompt, each with its own seed.
+item); `return_logprob`, `logprob_start_len`, `top_logprobs_num` (in a batch: one value, or a list
+with one per prompt, as SGLang's GenerateReqInput); `return_text_in_logprobs`; `rid` (in a batch: a
+list of distinct strings, or one string used as the prefix `<rid>_<i>`); `stream`.
+`sampling_params.n > 1` samples n continuations per prompt, each with its own seed. The request's
+size is bounded before it is expanded or tokenized (admission.py).
 
 Response: the engine's output dict (`text`, `output_ids`, `meta_info` with `id`, `finish_reason`,
 `prompt_tokens`, `completion_tokens`, `cached_tokens` and, with return_logprob, the logprob
@@ -24,8 +27,8 @@ from jengine.server.async_engine import RequestStream, Update
 from jengine.server.errors import RequestError
 from jengine.server.http_utils import (SSE_DONE, JSONResponse, SSEResponse, sse_event,
                                        unless_disconnected)
-from jengine.server.inputs import (check_logprob_options, check_prompt, per_item, prompt_batch,
-                                   sample_rids_and_seeds, sampling_params)
+from jengine.server.inputs import (check_logprob_options, check_prompt, check_text_lengths,
+                                   per_item, prompt_batch, sample_rids_and_seeds, sampling_params)
 from jengine.server.protocol import GenerateRequest, parse_body
 
 router = APIRouter()
@@ -50,31 +53,60 @@ async def generate(request: Request) -> Response:
 
 
 async def _build_items(body: GenerateRequest, state: Any) -> tuple[list[dict], bool]:
-    """The request as engine submissions, every input checked before any is admitted."""
+    """The request as engine submissions, every input checked before any is admitted, and its
+    size bounded before anything is expanded or tokenized."""
     field, prompts, is_batch = prompt_batch(body.text, body.input_ids)
-    ids_list = await state.aengine.encode(prompts) if field == "text" else prompts
-    params = per_item(body.sampling_params, len(ids_list), "sampling_params", is_batch)
+    count = len(prompts)
+    params = per_item(body.sampling_params, count, "sampling_params", is_batch)
     params_field = ("sampling_params[{}]" if is_batch and isinstance(body.sampling_params, list)
                     else "sampling_params")
-    rids = _rids(body.rid, len(ids_list), is_batch)
+    ns = [_n(p, params_field.format(i), state.admission) for i, p in enumerate(params)]
+    state.admission.check_fanout(count, max(ns), "text" if field == "text" else "input_ids")
+    logprob = {name: per_item(getattr(body, name), count, name, is_batch)
+               for name in ("return_logprob", "logprob_start_len", "top_logprobs_num")}
+    rids = _rids(body.rid, count, is_batch)
+    if field == "text":
+        check_text_lengths(prompts, state.limits, field, is_batch)
+        ids_list = await state.aengine.encode(prompts)
+    else:
+        ids_list = prompts
 
     items: list[dict] = []
-    any_n = False
     for i, ids in enumerate(ids_list):
         item_field = f"{field}[{i}]" if is_batch else field
+        options = {name: _logprob_option(name, values[i], is_batch, i)
+                   for name, values in logprob.items()}
         check_prompt(ids, state.limits, item_field)
-        check_logprob_options(ids, state.limits, item_field, return_logprob=body.return_logprob,
-                              logprob_start_len=body.logprob_start_len,
-                              top_logprobs_num=body.top_logprobs_num)
+        check_logprob_options(ids, state.limits, item_field, **options)
         sp = sampling_params(params[i], len(ids), state.limits, params_field.format(i))
-        n = sp.pop("n", 1)
-        any_n |= n > 1
-        for j, (rid, seed) in enumerate(sample_rids_and_seeds(rids[i], sp.get("seed"), n)):
+        sp.pop("n", None)
+        for rid, seed in sample_rids_and_seeds(rids[i], sp.get("seed"), ns[i]):
             items.append(dict(input_ids=ids, sampling_params={**sp, "seed": seed}, rid=rid,
-                              return_logprob=body.return_logprob,
-                              logprob_start_len=body.logprob_start_len,
-                              top_logprobs_num=body.top_logprobs_num, stream=body.stream))
-    return items, is_batch or any_n
+                              stream=body.stream, **options))
+    return items, is_batch or max(ns) > 1
+
+
+def _n(params: Any, field: str, admission: Any) -> int:
+    """sampling_params.n, checked against --max-n before anything is expanded (the full check of
+    the sampling parameters follows, per prompt)."""
+    n = params.get("n", 1) if isinstance(params, dict) else 1
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise RequestError(f"{field}.n={n!r} must be an int >= 1", f"{field}.n", n)
+    admission.check_n(n, f"{field}.n")
+    return n
+
+
+_OPTION_TYPES = {"return_logprob": (bool,), "logprob_start_len": (int,), "top_logprobs_num": (int,)}
+
+
+def _logprob_option(name: str, value: Any, is_batch: bool, i: int) -> Any:
+    kinds = _OPTION_TYPES[name]
+    if isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool)):
+        return value
+    where = f"{name}[{i}]" if is_batch and not isinstance(value, list) else name
+    raise RequestError(f"{where} must be {'a bool' if bool in kinds else 'an int'}"
+                       + (" (or, in a batch, a list with one per prompt)" if not is_batch else ""),
+                       where, value)
 
 
 def _rids(rid: Any, n: int, is_batch: bool) -> list[str | None]:
@@ -84,15 +116,18 @@ def _rids(rid: Any, n: int, is_batch: bool) -> list[str | None]:
         if not isinstance(rid, str) or not rid:
             raise RequestError("rid must be a non-empty string", "rid", rid)
         return [rid]
+    if isinstance(rid, str) and rid:  # SGLang: a string is the prefix of per-item ids
+        return [f"{rid}_{i}" for i in range(n)]
     if (not isinstance(rid, list) or len(rid) != n
             or not all(isinstance(r, str) and r for r in rid) or len(set(rid)) != n):
-        raise RequestError(f"a batch of {n} needs rid as a list of {n} distinct strings", "rid", rid)
+        raise RequestError(f"a batch of {n} needs rid as one string (a prefix) or a list of {n} "
+                           "distinct strings", "rid", rid)
     return list(rid)
 
 
 async def _present(out: dict, body: GenerateRequest, state: Any, index: int | None = None) -> dict:
     """The engine's output as the response body (token text in the triples when asked)."""
-    if body.return_text_in_logprobs and body.return_logprob:
+    if body.return_text_in_logprobs:  # only items with return_logprob carry logprob keys
         meta = dict(out["meta_info"])
         for key in _LOGPROB_KEYS:
             if meta.get(key):

@@ -51,15 +51,25 @@ def dumps(obj: Any) -> str:
     return json.dumps(jsonable(obj), ensure_ascii=False, allow_nan=True, separators=(",", ":"))
 
 
+def dumps_bytes(obj: Any) -> bytes:
+    """UTF-8 JSON; a string holding a lone surrogate (which UTF-8 cannot encode, e.g. an echoed
+    bad input) is written \\u-escaped instead of failing the response."""
+    try:
+        return dumps(obj).encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(jsonable(obj), ensure_ascii=True, allow_nan=True,
+                          separators=(",", ":")).encode("ascii")
+
+
 class JSONResponse(Response):
     media_type = "application/json"
 
     def render(self, content: Any) -> bytes:
-        return dumps(content).encode("utf-8")
+        return dumps_bytes(content)
 
 
 def sse_event(obj: Any) -> bytes:
-    return f"data: {dumps(obj)}\n\n".encode("utf-8")
+    return b"data: " + dumps_bytes(obj) + b"\n\n"
 
 
 class SSEResponse(StreamingResponse):
@@ -101,6 +111,9 @@ async def unless_disconnected(work: Awaitable, request: Request, on_disconnect: 
                               poll_s: float = 0.25) -> Any:
     """Await `work`; if the client disconnects first, call `on_disconnect` (abort) and raise."""
     task = asyncio.ensure_future(work)
+    # A cancelled gather stores its children's CancelledError as its own exception; retrieve it so
+    # asyncio does not log "exception was never retrieved" with a traceback on every disconnect.
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=poll_s)

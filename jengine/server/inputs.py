@@ -23,11 +23,42 @@ class ModelLimits:
     context_length: int  # max tokens of prompt + output of one request (engine.max_context)
     input_vocab_size: int  # prompt token ids must be below this
     vocab_size: int  # output vocabulary: sampled ids, logprob targets, stop_token_ids
+    # A text longer than this many characters cannot fit the context however it tokenizes: it is
+    # refused before tokenizing (admission.py). None: the tokenizer gives no bound.
+    max_text_chars: int | None = None
+
+
+# Margin on the bound above: a normalizer may merge characters (NFC) before tokenizing.
+TEXT_BOUND_MARGIN = 4
+
+
+def longest_token_chars(tokenizer: Any) -> int | None:
+    """Characters of the tokenizer's longest vocabulary entry (byte-level BPE writes one character
+    per byte, so a token covers at most that many characters of text)."""
+    backend = getattr(tokenizer, "backend", None)  # jengine's Tokenizer: the tokenizers.Tokenizer
+    if not hasattr(backend, "get_vocab"):
+        return None
+    return max((len(t) for t in backend.get_vocab(with_added_tokens=True)), default=None)
 
 
 def model_limits(engine: Any) -> ModelLimits:
     mc = engine.model_config
-    return ModelLimits(int(engine.max_context), int(mc.input_vocab_size), int(mc.vocab_size))
+    longest = longest_token_chars(engine.tokenizer)
+    bound = None if longest is None else int(engine.max_context) * longest * TEXT_BOUND_MARGIN
+    return ModelLimits(int(engine.max_context), int(mc.input_vocab_size), int(mc.vocab_size), bound)
+
+
+def check_text_lengths(texts: list[str], limits: ModelLimits, field: str, is_batch: bool) -> None:
+    """Refuse, before tokenizing, a text that cannot fit the context (tokenizing a 20 MB prompt
+    took 25 s of a tokenizer thread only to be refused)."""
+    if limits.max_text_chars is None:
+        return
+    for i, text in enumerate(texts):
+        if len(text) > limits.max_text_chars:
+            name = f"{field}[{i}]" if is_batch else field
+            raise RequestError(f"{name} has {len(text)} characters: more than any tokenization of it "
+                               f"fits in the context length {limits.context_length}", name,
+                               f"({len(text)} characters)")
 
 
 def _is_int(v: Any) -> bool:

@@ -26,14 +26,15 @@ from jengine.server.errors import RequestError
 from jengine.server.generate_api import merge_updates
 from jengine.server.http_utils import (SSE_DONE, JSONResponse, SSEResponse, sse_event,
                                        unless_disconnected)
-from jengine.server.inputs import check_prompt, prompt_batch, sample_rids_and_seeds, sampling_params
+from jengine.server.inputs import (check_prompt, check_text_lengths, prompt_batch,
+                                   sample_rids_and_seeds, sampling_params)
 from jengine.server.protocol import (ChatCompletionRequest, CompletionRequest, _OpenAIBase,
                                      parse_body)
 
 router = APIRouter()
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
-MAX_N = 64
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's
 _EXTENSIONS = ("top_k", "min_p", "ignore_eos", "stop_token_ids", "no_stop_trim")
 
 
@@ -46,8 +47,9 @@ def _check_request(body: _OpenAIBase, state: Any) -> None:
             raise RequestError(f"{name} is not supported (only 0)", name, getattr(body, name))
     if body.logit_bias:
         raise RequestError("logit_bias is not supported", "logit_bias", body.logit_bias)
-    if not 1 <= body.n <= MAX_N:
-        raise RequestError(f"n must be in [1, {MAX_N}]", "n", body.n)
+    if body.n < 1:
+        raise RequestError("n must be >= 1", "n", body.n)
+    state.admission.check_n(body.n, "n")
 
 
 def _sampling(body: _OpenAIBase, max_tokens: int | None) -> dict:
@@ -113,6 +115,9 @@ async def completions(request: Request) -> Response:
     if body.prompt is None:
         raise RequestError("prompt is required", "prompt", None)
     field, prompts = _completion_prompts(body.prompt)
+    state.admission.check_fanout(len(prompts), body.n, "prompt")
+    if field == "text":
+        check_text_lengths(prompts, state.limits, "prompt", len(prompts) > 1)
     prompt_ids = await state.aengine.encode(prompts) if field == "text" else prompts
     for i, ids in enumerate(prompt_ids):
         check_prompt(ids, state.limits, f"prompt[{i}]" if len(prompt_ids) > 1 else "prompt")
@@ -230,6 +235,7 @@ async def chat_completions(request: Request) -> Response:
     max_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
 
+    state.admission.check_fanout(1, body.n, "n")
     ids = await _chat_prompt_ids(body, state)
     check_prompt(ids, state.limits, "messages")
     created = int(time.time())
@@ -267,8 +273,9 @@ async def _chat_prompt_ids(body: ChatCompletionRequest, state: Any) -> list[int]
     messages = []
     for i, message in enumerate(body.messages):
         role, content = message.get("role"), message.get("content")
-        if not isinstance(role, str):
-            raise RequestError(f"messages[{i}].role must be a string", f"messages[{i}].role", role)
+        if role not in CHAT_ROLES:
+            raise RequestError(f"messages[{i}].role={role!r} is not one of {', '.join(CHAT_ROLES)}",
+                               f"messages[{i}].role", role)
         if isinstance(content, list):  # content parts: only text is served
             if not all(isinstance(p, dict) and p.get("type") == "text"
                        and isinstance(p.get("text"), str) for p in content):
@@ -279,6 +286,8 @@ async def _chat_prompt_ids(body: ChatCompletionRequest, state: Any) -> list[int]
             raise RequestError(f"messages[{i}].content must be a string or a list of text parts",
                                f"messages[{i}].content", content)
         messages.append({**message, "content": content})
+    for i, m in enumerate(messages):
+        check_text_lengths([m["content"]], state.limits, f"messages[{i}].content", False)
     try:
         text = await state.aengine.chat_prompt(messages, body.add_generation_prompt)
     except ValueError as exc:  # the template's own errors (raise_exception, bad structure)

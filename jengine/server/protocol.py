@@ -20,17 +20,65 @@ from jengine.server.errors import RequestError, validation_error
 Body = TypeVar("Body", bound=BaseModel)
 
 
+MAX_JSON_DEPTH = 32  # the deepest legitimate body (chat content parts) is about 5
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, refused (413) as soon as it passes `max_bytes`: by its Content-Length before
+    anything is read, else while it streams in -- never read whole and then measured."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise RequestError(f"request body has {declared} bytes; this server's --max-request-bytes "
+                           f"is {max_bytes}", "body", int(declared), status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise RequestError(f"request body has more than {max_bytes} bytes "
+                               "(--max-request-bytes)", "body", size, status=413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def check_json_tree(data: Any) -> None:
+    """Refuse what would fail later as a server error: nesting deeper than MAX_JSON_DEPTH and
+    strings that are not Unicode text (a lone surrogate such as "\\ud800", which JSON allows and
+    UTF-8, the tokenizer and the response encoder do not). Iterative: no recursion to overflow."""
+    stack: list[tuple[Any, str, int]] = [(data, "body", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise RequestError(f"request body is nested more than {MAX_JSON_DEPTH} levels deep",
+                               path, "(deep)")
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise RequestError(f"{path} is not valid Unicode text: {exc.reason} at character "
+                                   f"{exc.start}", path, value[:64]) from None
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                stack.append((k, f"{path} key", depth + 1))
+                stack.append((v, k if path == "body" else f"{path}.{k}", depth + 1))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
+
+
 async def parse_body(request: Request, model: type[Body]) -> Body:
     """The JSON body as `model`, whatever the Content-Type (curl's -d sends a form type), with
-    every failure a RequestError naming the field."""
-    raw = await request.body()
+    every failure a RequestError naming the field: never a 500 for any input."""
+    raw = await read_body(request, request.app.state.server.admission.max_request_bytes)
     try:
         data = json.loads(raw) if raw.strip() else {}
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise RequestError(f"request body is not valid JSON: {exc}", "body",
                            raw[:200].decode("utf-8", "replace")) from None
+    except RecursionError:
+        raise RequestError(f"request body is nested more than {MAX_JSON_DEPTH} levels deep",
+                           "body", "(deep)") from None
     if not isinstance(data, dict):
         raise RequestError("request body must be a JSON object", "body", data)
+    check_json_tree(data)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -42,14 +90,17 @@ class _Strict(BaseModel):
 
 
 class GenerateRequest(_Strict):
-    """SGLang's native `/generate` body (GenerateReqInput), the fields jengine serves."""
+    """SGLang's native `/generate` body (GenerateReqInput), the fields jengine serves. In a batch,
+    return_logprob, logprob_start_len and top_logprobs_num may each be one value or a list with
+    one value per prompt, and rid a list of distinct strings or one prefix (`<rid>_<i>`), as in
+    SGLang; they are checked by hand in generate_api.py."""
 
     text: Any = None  # str | list[str]
     input_ids: Any = None  # list[int] | list[list[int]]
     sampling_params: Any = None  # dict | list[dict] (one per batch item)
-    return_logprob: bool = False
-    logprob_start_len: int = -1  # -1: output logprobs only; 0: every prompt position too
-    top_logprobs_num: int = 0
+    return_logprob: Any = False  # bool | list[bool]
+    logprob_start_len: Any = -1  # int | list[int]; -1: from the last prompt token (output only)
+    top_logprobs_num: Any = 0  # int | list[int]
     return_text_in_logprobs: bool = False  # fill the third element of each triple with token text
     rid: Any = None  # str | list[str]
     stream: bool = False
