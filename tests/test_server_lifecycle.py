@@ -50,6 +50,28 @@ def test_api_key_required_everywhere_but_health(server):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
 
 
+def test_a_client_leaving_a_non_streaming_request_logs_no_error(server):
+    """The disconnect aborts the request (the server stays idle after) and logs no asyncio
+    "exception was never retrieved" traceback (it did, once per disconnect)."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True,
+                                                        "n": 4}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/generate", json=body, headers=headers, timeout=1.0)
+    with httpx.Client(base_url=server.url, headers=headers, timeout=30) as http:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            running = [line for line in http.get("/metrics").text.splitlines()
+                       if line.startswith("jengine:num_running_reqs ")]
+            if running and float(running[0].split()[1]) == 0:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the disconnected request's samples are still running")
+    log = server.log_tail(20000)
+    assert "Traceback" not in log and "never retrieved" not in log, log[-3000:]
+
+
 def test_sigterm_drains_aborts_after_grace_and_exits_zero(server):
     headers = {"Authorization": f"Bearer {KEY}"}
     results: dict[str, list] = {}
@@ -88,4 +110,5 @@ def test_sigterm_drains_aborts_after_grace_and_exits_zero(server):
     long = [json.loads(d) for d in results["long"][:-1]]
     assert results["long"][-1] == "[DONE]" and long[-1]["finished"]
     assert long[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert long[-1]["meta_info"]["finish_reason"]["message"] == "server shutting down"
     assert len(long[-1]["output_ids"]) < 400
