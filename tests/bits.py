@@ -20,6 +20,16 @@ def count_bit_differences(a, b) -> int:
     return int(np.count_nonzero(a_bits != b_bits))
 
 
+def shifted_logits_and_completed(rows: int, vocab: int, block: int, seed: int):
+    """Random logits minus their row max [rows, vocab], and the same rows completed with -inf to a
+    whole number of blocks (what the block_sumexp leaves must treat them as)."""
+    x = (np.random.default_rng(seed).standard_normal((rows, vocab)) * 3).astype(np.float32)
+    shifted = x - x.max(-1, keepdims=True)
+    completed = np.full((rows, -(-vocab // block) * block), -np.inf, np.float32)
+    completed[:, :vocab] = shifted
+    return shifted, completed
+
+
 def numpy_halving_tree(e: np.ndarray) -> np.ndarray:
     """pallas_kernels.logprobs.tree_sum_last over the last axis, written with numpy's elementwise
     f32 adds (IEEE on any CPU; no reduction whose order numpy chooses)."""

@@ -16,7 +16,7 @@ import pytest
 
 from jengine.engine.batch import SamplingRows
 from jengine.engine.sampler import Sampler, row_bucket
-from tests.bits import numpy_halving_tree
+from tests.bits import numpy_halving_tree, shifted_logits_and_completed
 from pallas_kernels.logprobs import (
     LOGPROB_ORDERS, block_sumexp_fixed_tree, block_sumexp_xla_native, gather_token_logprobs,
     inclusive_scan_last, logprob_block_width, top_logprobs, torch_block_sumexp, tree_sum_last)
@@ -205,12 +205,8 @@ def test_unknown_orders_and_bad_vocab_are_refused(logits, token_ids, invariant_p
 @pytest.mark.parametrize("vocab,block", [(151936, 32768), (128256, 32768), (129280, 16384),
                                          (1001, 16384), (32768 + 1, 32768)])
 def test_last_block_is_completed_with_neg_inf(vocab, block):
-    rng = np.random.default_rng(vocab)
-    x = (rng.standard_normal((5, vocab)) * 3).astype(np.float32)
-    shifted = x - x.max(-1, keepdims=True)
-    blocks = -(-vocab // block)
-    completed = np.full((5, blocks * block), -np.inf, np.float32)
-    completed[:, :vocab] = shifted
+    shifted, completed = shifted_logits_and_completed(5, vocab, block, seed=vocab)
+    blocks = completed.shape[1] // block
     fn = jax.jit(block_sumexp_fixed_tree, static_argnames="block_size")
     got = np.asarray(fn(shifted, block_size=block))
     assert got.shape == (5, blocks)

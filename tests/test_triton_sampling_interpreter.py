@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests import triton_interpreter  # noqa: F401  (must precede the kernel import)
-from tests.bits import count_bit_differences, numpy_halving_tree
+from tests.bits import count_bit_differences, numpy_halving_tree, shifted_logits_and_completed
 
 torch = pytest.importorskip("torch")
 if not triton_interpreter.AVAILABLE:
@@ -23,12 +23,8 @@ from pallas_kernels import triton_sampling  # noqa: E402
 
 @pytest.mark.parametrize("vocab,block", [(151936, 32768), (20000, 16384), (65536, 32768)])
 def test_last_block_completed_with_neg_inf(vocab, block):
-    rng = np.random.default_rng(vocab)
-    x = (rng.standard_normal((3, vocab)) * 3).astype(np.float32)
-    shifted = x - x.max(-1, keepdims=True)
-    blocks = -(-vocab // block)
-    completed = np.full((3, blocks * block), -np.inf, np.float32)
-    completed[:, :vocab] = shifted
+    shifted, completed = shifted_logits_and_completed(3, vocab, block, seed=vocab)
+    blocks = completed.shape[1] // block
     got = triton_sampling.block_sumexp_triton_torch(torch.from_numpy(shifted), block_size=block)
     assert tuple(got.shape) == (3, blocks)
     want = numpy_halving_tree(np.exp(completed).reshape(3, blocks, block))
