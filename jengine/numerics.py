@@ -11,8 +11,8 @@ Read with docs/numerics.md (the spec's hierarchy with jengine's option names). T
   cannot tighten is refused with the reason (``NumericsRefusal``), never silently kept.
 * Selection points test ``numerics in BITWISE_ENVELOPES``, never the name, so a plugin envelope
   registered above rl-bitwise inherits every pin.
-* What needs the model (vocabulary, quantization, the model profile) is checked once, when the model
-  is constructed: ``check_model``.
+* What needs the model (its dtype on a GPU, quantization, the model profile) is checked once,
+  when the model is constructed: ``check_model``.
 """
 
 from __future__ import annotations

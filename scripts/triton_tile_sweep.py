@@ -31,7 +31,7 @@ SHAPES = {  # name: (N, K) for x[M, K] @ w[K, N]
     "kv_proj": (1024, 4096),
     "gate/up": (14336, 4096),
     "down": (4096, 14336),
-    "lm_head_pad": (131072, 4096),  # rl-bitwise pads the vocab to a multiple of 32768
+    "lm_head_pad": (131072, 4096),  # the bench's rl-bitwise rows (jengine/bench/common.py)
     "lm_head": (128256, 4096),
 }
 ROWS = (1, 16, 64, 256, 4096)

@@ -172,9 +172,11 @@ class AsyncEngine:
         if self.draining:
             raise RequestError("server is shutting down; not admitting new requests", status=503)
         items = [{**it, "rid": it.get("rid") or uuid.uuid4().hex} for it in items]
-        for i, it in enumerate(items):
-            if it["rid"] in self._in_flight or any(it["rid"] == o["rid"] for o in items[:i]):
+        seen: set[str] = set()
+        for it in items:
+            if it["rid"] in self._in_flight or it["rid"] in seen:
                 raise RequestError(f"rid={it['rid']!r} is already in flight", "rid", it["rid"])
+            seen.add(it["rid"])
         if admit:
             self.work.reserve(items)  # synchronous on the loop: atomic against other requests
         handles: list[RequestStream] = []
