@@ -183,6 +183,18 @@ def _well_behaved(url: str, i: int) -> tuple[float, int, dict]:
         x[0] for x in out.get("meta_info", {}).get("output_token_logprobs", [])]}
 
 
+def _control_latency(url: str) -> dict[str, float]:
+    """The slowest answer of /health and /metrics over a few probes (seconds)."""
+    worst = {"/health": 0.0, "/metrics": 0.0}
+    for _ in range(5):
+        for path in worst:
+            t0 = time.monotonic()
+            assert requests.get(url + path, timeout=60).status_code == 200
+            worst[path] = max(worst[path], time.monotonic() - t0)
+        time.sleep(0.2)
+    return worst
+
+
 def _run_clients(url: str, clients: int) -> list[tuple[float, int, dict]]:
     with ThreadPoolExecutor(max_workers=clients) as pool:
         return list(pool.map(lambda i: _well_behaved(url, i), range(clients)))
@@ -220,7 +232,10 @@ def test_overload_well_behaved_clients_are_served_and_abuse_is_bounded():
         abuser = threading.Thread(target=_abuse, args=(server.url, abuse, stop))
         abuser.start()
         time.sleep(1.0)
-        stormy = _run_clients(server.url, clients)
+        with ThreadPoolExecutor(max_workers=1) as probe:
+            control = probe.submit(_control_latency, server.url)  # while the clients run
+            stormy = _run_clients(server.url, clients)
+            control_s = control.result()
         t0 = time.monotonic()
         r = requests.post(server.url + "/abort_request", json={"abort_all": True}, timeout=30)
         abort_all_s = time.monotonic() - t0
@@ -234,6 +249,7 @@ def test_overload_well_behaved_clients_are_served_and_abuse_is_bounded():
     assert len(completed) == clients, [s[1] for s in stormy if s[1] != 200][:5]
     assert all(c[2] == s[2] for c, s in completed), "an output moved under load (rl-bitwise)"
     assert r.status_code == 200 and abort_all_s < 10, abort_all_s
+    assert max(control_s.values()) < 10, control_s  # the control path is never queued behind work
     assert set(abuse["n=10^6"]) == {400} and set(abuse["5000 prompts"]) == {400}, abuse
     assert set(abuse["20 MB body"]) <= {413, "ConnectionError"}, abuse["20 MB body"]
     assert rss_after - rss_before < (1 << 30), (rss_before, rss_after)
@@ -245,5 +261,6 @@ def test_overload_well_behaved_clients_are_served_and_abuse_is_bounded():
     storm_l = [x[0] for x in stormy]
     print(f"overload: {clients} well-behaved clients, latency p50/p99 {pct(calm_l, 50):.2f}/"
           f"{pct(calm_l, 99):.2f} s alone, {pct(storm_l, 50):.2f}/{pct(storm_l, 99):.2f} s under "
-          f"abuse ({sum(len(v) for v in abuse.values())} abusive requests); abort_all "
+          f"abuse ({sum(len(v) for v in abuse.values())} abusive requests); /health, /metrics "
+          f"at worst {control_s['/health']:.2f}, {control_s['/metrics']:.2f} s; abort_all "
           f"{abort_all_s:.2f} s; RSS {rss_before >> 20} -> {rss_after >> 20} MiB")
