@@ -24,6 +24,9 @@ feeds only the exponential; ``p * v`` is summed as exact partial products; the e
 1-row step of the same row differed); the normalisation is an explicit multiply by the reciprocal
 (XLA rewrites ``o / l`` into it anyway).
 
+``paged`` gathers each token's context from the KV pages; ``dense_causal`` takes contiguous K/V (the
+trainer's layout, used by interop's twin). Both call the same core, so they agree bit for bit.
+
 These are the CPU leaf's own bits, not the GPU leaf's (pallas_kernels/triton_attention.py): each
 platform's engine and trainer twin run the same leaf.
 """
