@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from jengine.engine.request import is_int
 from jengine.server.async_engine import RequestStream, Update
 from jengine.server.errors import RequestError
 from jengine.server.http_utils import (SSE_DONE, JSONResponse, SSEResponse, sse_event,
@@ -62,8 +63,9 @@ async def _build_items(body: GenerateRequest, state: Any) -> tuple[list[dict], b
                     else "sampling_params")
     ns = [_n(p, params_field.format(i), state.admission) for i, p in enumerate(params)]
     state.admission.check_fanout(count, max(ns), "text" if field == "text" else "input_ids")
-    logprob = {name: per_item(getattr(body, name), count, name, is_batch)
-               for name in ("return_logprob", "logprob_start_len", "top_logprobs_num")}
+    logprob = {name: per_item(getattr(body, name), count, name, is_batch) for name in _OPTION_TYPES}
+    option_field = {name: f"{name}[{{}}]" if is_batch and isinstance(getattr(body, name), list)
+                    else name for name in _OPTION_TYPES}
     rids = _rids(body.rid, count, is_batch)
     if field == "text":
         check_text_lengths(prompts, state.limits, field, is_batch)
@@ -74,7 +76,8 @@ async def _build_items(body: GenerateRequest, state: Any) -> tuple[list[dict], b
     items: list[dict] = []
     for i, ids in enumerate(ids_list):
         item_field = f"{field}[{i}]" if is_batch else field
-        options = {name: _logprob_option(name, values[i], is_batch, i)
+        options = {name: _logprob_option(values[i], _OPTION_TYPES[name],
+                                         option_field[name].format(i), is_batch)
                    for name, values in logprob.items()}
         check_prompt(ids, state.limits, item_field)
         check_logprob_options(ids, state.limits, item_field, **options)
@@ -96,17 +99,16 @@ def _n(params: Any, field: str, admission: Any) -> int:
     return n
 
 
-_OPTION_TYPES = {"return_logprob": (bool,), "logprob_start_len": (int,), "top_logprobs_num": (int,)}
+_OPTION_TYPES = {"return_logprob": bool, "logprob_start_len": int, "top_logprobs_num": int}
 
 
-def _logprob_option(name: str, value: Any, is_batch: bool, i: int) -> Any:
-    kinds = _OPTION_TYPES[name]
-    if isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool)):
+def _logprob_option(value: Any, kind: type, field: str, is_batch: bool) -> Any:
+    """One prompt's value of a per-item option, strictly typed (a bool is not an int)."""
+    if isinstance(value, bool) if kind is bool else is_int(value):
         return value
-    where = f"{name}[{i}]" if is_batch and not isinstance(value, list) else name
-    raise RequestError(f"{where} must be {'a bool' if bool in kinds else 'an int'}"
-                       + (" (or, in a batch, a list with one per prompt)" if not is_batch else ""),
-                       where, value)
+    raise RequestError(f"{field} must be {'a bool' if kind is bool else 'an int'}"
+                       + ("" if is_batch else " (a list, one per prompt, only in a batch)"),
+                       field, value)
 
 
 def _rids(rid: Any, n: int, is_batch: bool) -> list[str | None]:
