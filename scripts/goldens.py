@@ -119,8 +119,8 @@ def _family_engine(model_dir, arch, **launch):
 
     with override_profile(arch, numerics_envelopes={"rl-bitwise"}):
         return Engine(model_path=str(model_dir), numerics="rl-bitwise", skip_warmup=True,
-                      max_total_tokens=8192, chunked_prefill_size=128, max_prefill_tokens=256,
-                      **launch)
+                      **{**dict(max_total_tokens=8192, chunked_prefill_size=128,
+                                max_prefill_tokens=256), **launch})
 
 
 def _sequences(vocab: int, lengths, seed: int) -> list[list[int]]:
@@ -175,13 +175,13 @@ def section_families(trainer: bool, device: str = "cpu") -> dict:
 
 def section_production(trainer: bool) -> dict:
     sys.path.insert(0, str(ROOT / "scripts"))
-    from gpu_acceptance import WIDTHS, build_model  # noqa: E402
+    from gpu_acceptance import build_model  # noqa: E402  (adds the 8B widths itself)
 
     result = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (arch, dims) in PRODUCTION_CASES.items():
             d = Path(tmp) / name
-            model = build_model(d, arch, {**WIDTHS, **dims, "tie_word_embeddings": False}, seed=1)
+            model = build_model(d, arch, {**dims, "tie_word_embeddings": False}, seed=1)
             del model
             seqs = _sequences(dims["vocab_size"], (1200,), seed=9)
             eng = _family_engine(d, arch, max_prefill_tokens=2048, chunked_prefill_size=512)

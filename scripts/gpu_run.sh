@@ -28,6 +28,9 @@
 #   accept_<case>  scripts/gpu_acceptance.py for one case (llama, llama31, qwen3, qwen2): trainer
 #                  alignment at production widths, four logprob forms, stock-torch control
 #   acceptance     all four cases (longer than one device call allows: use accept_<case> steps)
+#   goldens_record scripts/goldens.py record: tiny, families and production-width goldens on the
+#                  GPU (ids + logprob bits, trainer dumps on CUDA) -> $out/h200.json
+#   goldens_check  scripts/goldens.py check tests/goldens/h200.json: every bit unchanged
 #   harness_prod_<case>  jengine invariance on that case's production-width checkpoint (run its
 #                  accept_<case> step first in the same call: it builds the checkpoint)
 set -u
@@ -75,6 +78,8 @@ for s in "$@"; do
     align_*) step "$s" 150 bash scripts/gpu_align.sh "$out/$s" "${s#align_}" ;;
     accept_*) step "$s" 420 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases "${s#accept_}" ;;
     acceptance) step acceptance 1500 python3 scripts/gpu_acceptance.py --out "$out/acceptance" ;;
+    goldens_record) step goldens_record 560 python3 scripts/goldens.py record --sections tiny families production --device cuda --out "$out/h200.json" ;;
+    goldens_check) step goldens_check 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
     harness_prod_*) step "$s" 300 python3 -m jengine.cli invariance --model "/tmp/acceptance/${s#harness_prod_}" --numerics rl-bitwise --max-new-tokens 8 ;;
     *) echo "unknown step $s" | tee -a "$out/summary.md" ;;
   esac
