@@ -65,7 +65,8 @@ def test_a_leaf_of_an_undeclared_family_is_refused(gemm_reg):
 
 @pytest.mark.parametrize("fn, why", [
     (lambda x, weight, bias=None, *, out_dtype: x, "parameter 1 is 'weight'"),
-    (lambda x, w, bias=None, out_dtype=None: x, "parameter 3 is 'out_dtype' (positional or keyword)"),
+    (lambda x, w, bias=None, out_dtype=None: x,
+     "parameter 3 is 'out_dtype' (positional or keyword)"),
     (lambda x, w, bias, *, out_dtype: x, "parameter 'bias' has no default"),
     (lambda x, w, *, out_dtype: x, "parameter 2 is 'out_dtype'"),
     (lambda x, w, bias=None: x, "lacks parameter 'out_dtype'"),
@@ -179,7 +180,8 @@ def test_a_plan_is_frozen_at_construction(reg):
     leaf(reg, "first")
     frozen = reg.plan("linear", "gemm", formats={"bf16"}, hardware="cpu")
     reg.unregister("linear", "gemm", "first")
-    reg.register("linear", "gemm", "first", formats={"bf16"}, hardware={"any"})(lambda x: "replaced")
+    reg.register("linear", "gemm", "first", formats={"bf16"}, hardware={"any"})(
+        lambda x: "replaced")
     leaf(reg, "better", priority=Priority.VENDOR)
     reg.unregister("linear", "gemm", "first")
     assert frozen(None) == "first" and frozen.leaf.impl == "first"  # no re-selection, no fallback
@@ -331,4 +333,5 @@ def test_gemm_and_gemm_group_leaves_correspond():
     assert gemm == group and len(gemm) >= 2
     for features in (frozenset(), frozenset({"batch_invariant"})):
         kw = dict(formats={"bf16"}, hardware="cpu", features=features)
-        assert plan("linear", "gemm", **kw).leaf.impl == plan("linear", "gemm_group", **kw).leaf.impl
+        gemm_plan, group_plan = plan("linear", "gemm", **kw), plan("linear", "gemm_group", **kw)
+        assert gemm_plan.leaf.impl == group_plan.leaf.impl
