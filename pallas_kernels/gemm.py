@@ -29,7 +29,7 @@ FORMATS = {"bf16", "f32"}
 
 
 def _gemm_signature(x, w, bias=None, *, out_dtype):
-    """x[M, K], w[K, N] (same dtype), bias f32-addable [N] or None -> [M, N] in out_dtype."""
+    """x[M, K], w[K, N] (one dtype), bias[N] or None -> [M, N] in out_dtype, f32 accumulation."""
 
 
 def _gemm_group_signature(x, ws, biases=None, *, out_dtype):

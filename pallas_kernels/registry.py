@@ -126,8 +126,8 @@ class KernelPlan:
         try:
             self.declared.signature.bind(*args, **kwargs)
         except TypeError as exc:
-            raise TypeError(f"{self.family}.{self.name}: {exc}; the family's signature is "
-                            f"{self.declared.signature}") from None
+            raise TypeError(f"{self.family}.{self.name}: {exc}; the family is "
+                            f"{self.declared.describe()}") from None
         return self.leaf.fn(*args, **kwargs)
 
     def describe(self) -> str:
@@ -174,7 +174,7 @@ class Registry:
         if why:
             raise KernelRegistrationError(
                 f"leaf {family}.{name}/{impl} ({getattr(fn, '__qualname__', fn)}) does not match "
-                f"the family's signature {declared.signature}: {why}")
+                f"the family {declared.describe()}: {why}")
 
     def register(
         self,
