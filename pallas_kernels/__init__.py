@@ -1,7 +1,9 @@
 """Kernel leaves and their registry.
 
-Importing the package registers every in-tree leaf. The Triton leaves register only where triton
-and jax-triton import and a GPU is present; elsewhere their modules import and register nothing.
+Importing the package registers every in-tree leaf. The portable modules come first: each declares
+its families' signatures, which the Triton leaves of the same families are checked against. The
+Triton leaves register only where triton and jax-triton import and a GPU is present; elsewhere their
+modules import and register nothing.
 """
 
 from pallas_kernels import registry  # noqa: F401

@@ -10,7 +10,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels._twin import torch_twin
-from pallas_kernels.registry import Priority, register
+from pallas_kernels.registry import Priority, declare_family, register
+
+
+def _silu_signature(x):
+    """x of any shape, bf16|f32 -> silu(x), same shape and dtype."""
+
+
+declare_family("activation", "silu", _silu_signature)
 
 
 @register("activation", "silu", "elementwise", formats={"bf16", "f32"}, hardware={"any"},

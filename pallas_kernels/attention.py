@@ -39,7 +39,19 @@ from jax import lax
 
 from pallas_kernels._twin import torch_twin
 from pallas_kernels.fixed_order import fixed_exp, split_product, tree_sum
-from pallas_kernels.registry import Priority, register
+from pallas_kernels.registry import Priority, declare_family, register
+
+
+def _paged_signature(q, k_cache, v_cache, block_tables, token_req, positions, *, scale):
+    """q[T, Hq, D], k/v caches [pages, page, Hkv, D], tables int[R, P], rows int[T] -> [T, Hq, D]."""
+
+
+def _dense_causal_signature(q, k, v, *, scale):
+    """q[B, S, Hq, D], k/v [B, S, Hkv, D] -> [B, S, Hq, D]; query i attends to positions 0..i."""
+
+
+declare_family("attention", "paged", _paged_signature)
+declare_family("attention", "dense_causal", _dense_causal_signature)
 
 KV_BLOCK = 16
 

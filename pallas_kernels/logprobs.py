@@ -36,7 +36,14 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._twin import torch_twin
-from pallas_kernels.registry import KernelPlan, Priority, register
+from pallas_kernels.registry import KernelPlan, Priority, declare_family, register
+
+
+def _block_sumexp_signature(shifted, *, block_size):
+    """f32[R, V] logits minus their row max -> f32[R, ceil(V / block_size)] sums of exp per block."""
+
+
+declare_family("sampling", "block_sumexp", _block_sumexp_signature)
 
 BLOCKWISE_VOCAB_BLOCK = 32768
 

@@ -1,8 +1,13 @@
-"""The kernel registry: leaves, traits, features, priority bands and frozen KernelPlans.
+"""The kernel registry: families, leaves, traits, features, priority bands and frozen KernelPlans.
 
-A *leaf* is one implementation of one operator, registered under (family, name). Selection happens
-once, when a model is constructed (`plan`), and returns a frozen `KernelPlan`; execution calls the
-planned implementation and never consults the registry again, so there is no silent fallback.
+A *family* is one operator, (family, name), with one call signature: its module declares it once
+(`declare_family`, a stub function whose parameters are the contract and whose docstring gives the
+shapes and dtypes). A *leaf* is one implementation of a family, registered under (family, name,
+impl); registration refuses an undeclared family, a leaf whose parameters differ from the
+declaration, and a second leaf of the same impl name. Selection happens once, when a model is
+constructed (`plan`), and returns a frozen `KernelPlan`, which checks every call against the
+family's signature and then calls the planned implementation; it never consults the registry again,
+so there is no silent fallback.
 
 Two matching mechanisms, as in the spec ("Kernel selection"):
 
@@ -15,6 +20,7 @@ Two matching mechanisms, as in the spec ("Kernel selection"):
 from __future__ import annotations
 
 import enum
+import inspect
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -33,6 +39,52 @@ HARDWARE = ("cpu", "gpu", "gpu-sm90", "tpu", "any")
 
 class KernelPlanError(RuntimeError):
     """Planning found no leaf able to serve the request. The message lists every exclusion."""
+
+
+class KernelRegistrationError(ValueError):
+    """A family or leaf cannot be registered: undeclared family, mismatched signature, duplicate."""
+
+
+@dataclass(frozen=True)
+class FamilySignature:
+    """The one call signature every leaf of (family, name) takes, declared by the family's module."""
+
+    family: str
+    name: str
+    signature: inspect.Signature
+    doc: str  # shapes and dtypes, one line
+
+    def describe(self) -> str:
+        return f"{self.family}.{self.name}{self.signature}: {self.doc}"
+
+
+def _signature_mismatch(declared: inspect.Signature, fn) -> str | None:
+    """Why `fn` cannot serve a family declared as `declared`, or None.
+
+    The leaf takes the declared parameters in order, with the same names and kinds, and a default
+    exactly where the family has one (what a caller may leave out). It may add keyword-only
+    parameters with defaults after them (a Triton leaf's `tile` or `schedule`, for benches and
+    tests calling the leaf directly): a plan's call, checked against the family, never passes them.
+    """
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError) as exc:
+        return f"its signature cannot be read ({exc})"
+    want = list(declared.parameters.values())
+    for i, d in enumerate(want):
+        if i >= len(params):
+            return f"it lacks parameter {d.name!r}"
+        p = params[i]
+        if (p.name, p.kind) != (d.name, d.kind):
+            return f"parameter {i} is {p.name!r} ({p.kind.description}), the family declares " \
+                   f"{d.name!r} ({d.kind.description})"
+        if (p.default is p.empty) != (d.default is d.empty):
+            has = "has no default" if p.default is p.empty else "has a default"
+            return f"parameter {p.name!r} {has}, unlike the family's"
+    for p in params[len(want):]:
+        if p.kind is not p.KEYWORD_ONLY or p.default is p.empty:
+            return f"extra parameter {p.name!r} must be keyword-only with a default"
+    return None
 
 
 @dataclass(frozen=True)
@@ -66,8 +118,16 @@ class KernelPlan:
     leaf: Leaf
     required_features: frozenset[str]
     hardware: str
+    declared: FamilySignature
 
     def __call__(self, *args, **kwargs):
+        # Checked at trace time (plans run inside jit): a wrong call fails naming the family, not
+        # deep inside whichever leaf happened to be planned.
+        try:
+            self.declared.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{self.family}.{self.name}: {exc}; the family is "
+                            f"{self.declared.describe()}") from None
         return self.leaf.fn(*args, **kwargs)
 
     def describe(self) -> str:
@@ -76,10 +136,46 @@ class KernelPlan:
 
 class Registry:
     def __init__(self) -> None:
+        self._families: dict[tuple[str, str], FamilySignature] = {}
         self._leaves: dict[tuple[str, str], list[Leaf]] = {}
         self._lock = threading.Lock()
 
     # -- registration -----------------------------------------------------------------------------
+    def declare_family(self, family: str, name: str, stub: Callable[..., Any]) -> FamilySignature:
+        """Declare (family, name)'s call signature: `stub`'s parameters, its docstring's first line
+        (shapes and dtypes). Declaring it again with another signature is an error."""
+        doc = (inspect.getdoc(stub) or "").split("\n")[0].strip()
+        if not doc:
+            raise KernelRegistrationError(f"family {family}.{name}: the signature stub "
+                                          f"{stub.__name__} needs a docstring giving shapes/dtypes")
+        declared = FamilySignature(family, name, inspect.signature(stub), doc)
+        with self._lock:
+            existing = self._families.get((family, name))
+            if existing is not None and existing.signature != declared.signature:
+                raise KernelRegistrationError(
+                    f"family {family}.{name} is already declared as {existing.signature}; "
+                    f"cannot declare it again as {declared.signature}")
+            self._families[(family, name)] = declared
+        return declared
+
+    def family(self, family: str, name: str) -> FamilySignature:
+        try:
+            return self._families[(family, name)]
+        except KeyError:
+            known = ", ".join(f"{f}.{n}" for f, n in sorted(self._families)) or "none"
+            raise KernelRegistrationError(f"family {family}.{name} is not declared "
+                                          f"(declared: {known})") from None
+
+    def check_signature(self, family: str, name: str, impl: str, fn: Callable[..., Any]) -> None:
+        """Raise KernelRegistrationError unless `fn` can serve the declared family (family, name).
+        `register` calls it; tests call it for leaves that register only on a GPU."""
+        declared = self.family(family, name)
+        why = _signature_mismatch(declared.signature, fn)
+        if why:
+            raise KernelRegistrationError(
+                f"leaf {family}.{name}/{impl} ({getattr(fn, '__qualname__', fn)}) does not match "
+                f"the family {declared.describe()}: {why}")
+
     def register(
         self,
         family: str,
@@ -94,13 +190,14 @@ class Registry:
         constraints: Mapping[str, Callable[[Any], bool]] | None = None,
         constrains_variable_dims: bool = False,
     ):
-        """Decorator registering ``fn`` as a leaf of (family, name)."""
+        """Decorator registering ``fn`` as leaf `impl` of the declared family (family, name)."""
         hw = frozenset(hardware)
         unknown = hw - set(HARDWARE)
         if unknown:
             raise ValueError(f"leaf {family}.{name}/{impl}: unknown hardware {sorted(unknown)}")
 
         def deco(fn):
+            self.check_signature(family, name, impl, fn)
             leaf = Leaf(
                 family=family,
                 name=name,
@@ -116,7 +213,11 @@ class Registry:
             )
             with self._lock:
                 existing = self._leaves.setdefault((family, name), [])
-                existing[:] = [l for l in existing if l.impl != impl] + [leaf]
+                if any(l.impl == impl for l in existing):
+                    raise KernelRegistrationError(
+                        f"leaf {family}.{name}/{impl} is already registered (family {family!r}, "
+                        f"name {name!r}, impl {impl!r}); unregister it first to replace it")
+                existing.append(leaf)
             return fn
 
         return deco
@@ -169,7 +270,7 @@ class Registry:
                 + "; ".join(excluded)
             )
         best = sorted(eligible, key=lambda l: (-l.priority, l.impl))[0]
-        return KernelPlan(family, name, best, want_features, hardware)
+        return KernelPlan(family, name, best, want_features, hardware, self.family(family, name))
 
 
 def _exclusion(leaf, formats, hardware, geometry, features, traits, impl) -> str | None:
@@ -208,5 +309,6 @@ def _trait_matches(declared, wanted) -> bool:
 
 
 REGISTRY = Registry()
+declare_family = REGISTRY.declare_family
 register = REGISTRY.register
 plan = REGISTRY.plan

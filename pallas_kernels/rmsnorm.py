@@ -18,7 +18,19 @@ from jax import lax
 
 from pallas_kernels._twin import torch_twin
 from pallas_kernels.fixed_order import tree_sum
-from pallas_kernels.registry import Priority, register
+from pallas_kernels.registry import Priority, declare_family, register
+
+
+def _rmsnorm_signature(x, weight, *, eps):
+    """x[M, H] bf16|f32, weight[H] -> [M, H] in x's dtype (the HF form)."""
+
+
+def _add_rmsnorm_signature(x, residual, weight, *, eps):
+    """x, residual [M, H] (x's dtype), weight[H] -> (normed [M, H], new residual [M, H])."""
+
+
+declare_family("norm", "rmsnorm", _rmsnorm_signature)
+declare_family("norm", "add_rmsnorm", _add_rmsnorm_signature)
 
 _INVARIANT = dict(traits={"deterministic": True, "batch_invariant": True},
                   features={"batch_invariant"})

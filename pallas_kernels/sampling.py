@@ -22,7 +22,20 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.logprobs import canonical_row_max, inclusive_scan_last, tree_sum_last
-from pallas_kernels.registry import Priority, register
+from pallas_kernels.registry import Priority, declare_family, register
+
+
+def _argmax_signature(logits):
+    """f32[R, V] -> int32[R], the canonical argmax of each row."""
+
+
+def _gumbel_signature(logits, temperature, top_k, top_p, min_p, seed, position, *,
+                      use_top_k=True, use_top_p=True):
+    """f32[R, V] logits and per-row [R] parameters, seed and position -> int32[R] tokens."""
+
+
+declare_family("sampling", "argmax", _argmax_signature)
+declare_family("sampling", "gumbel", _gumbel_signature)
 
 _BATCH_INVARIANT = dict(formats={"f32"}, hardware={"any"}, priority=Priority.PORTABLE,
                         features={"batch_invariant"},

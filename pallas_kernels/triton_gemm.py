@@ -1,12 +1,14 @@
-"""("linear", "gemm") on the GPU: a fixed-tile Triton GEMM, batch-invariant and shared with torch.
+"""("linear", "gemm") and ("linear", "gemm_group") on the GPU: a fixed-tile Triton GEMM,
+batch-invariant and shared with torch.
 
 Signature (pallas_kernels/gemm.py): ``fn(x[M, K], w[K, N], bias=None, *, out_dtype) -> [M, N]``;
 f32 accumulation, optional bias added to the f32 accumulator, one rounding to ``out_dtype``.
 
 Why a row's bits never depend on M: the tile (BM, BN, BK, KSPLIT), warps and stages are a function
-of the static (N, K, dtype) alone (`tile_for`); K is cut into KSPLIT fixed chunks, each walked in
-order BK at a time from a zero accumulator, and the chunk sums are added in chunk order; a row is
-one row of each MMA, so changing M only changes how many tiles are launched.
+of the static (N, K, dtype) alone (`tile_for`: the tables of triton_gemm_tiles.json, read by
+triton_gemm_tiles.py); K is cut into KSPLIT fixed chunks, each walked in order BK at a time from a
+zero accumulator, and the chunk sums are added in chunk order; a row is one row of each MMA, so
+changing M only changes how many tiles are launched.
 
 Two schedules compute exactly that: `serial` (one program per output tile does every chunk) and
 `split` (one program per tile and chunk, then gemm_reduce_kernel). Small M has too few output tiles
@@ -17,7 +19,7 @@ gate/up tile).
 Measured on the H200 (docs/gpu-validation.md): rows bit-identical across M, and the jax-triton and
 torch launches agree bit for bit.
 
-Grouped form (`gemm_group_triton`, the leaf's `.grouped`): projections of one x that share a tile
+The ("linear", "gemm_group") leaf (`gemm_group_triton`): projections of one x that share a tile
 (q/k/v, gate/up) run as one launch whose programs each run the same tile body on their member, so
 every output has the bits of its own launch and the trainer's separate projections still match;
 it saves a launch per member and fills the GPU better at small M.
@@ -28,76 +30,19 @@ tensors, for the trainer. Registration happens only where triton and jax-triton 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels._triton_launch import (INVARIANT, cdiv, contiguous, dtype_name, jax_launch,
                                            kernels, require_cuda_tensors, torch_dtype,
                                            torch_launch, triton_available)
+from pallas_kernels.gemm import FORMATS
 from pallas_kernels.registry import Priority, register
+from pallas_kernels.triton_gemm_tiles import GemmTile, tile_for
 
-FORMATS = {"bf16", "f32"}
-
-
-@dataclass(frozen=True)
-class GemmTile:
-    """One fixed tiling. Never chosen from M (that would make a row's bits depend on the batch)."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int = 8
-    num_warps: int = 4
-    num_stages: int = 4
-    k_split: int = 1  # fixed K chunks; K must be a multiple of k_split * block_k when > 1
-    # Run the split schedule at every M, not only when output tiles are few. The serial schedule
-    # keeps the running sum and the current chunk's accumulator live together; at k_split 4 that
-    # measured 2-2.5x slower than split + reduce at M = 4096 on the H200 (docs/performance.md).
-    split_at_every_m: bool = False
-
-    def describe(self) -> str:
-        split = f" k{self.k_split}" if self.k_split > 1 else ""
-        always = " split-always" if self.split_at_every_m and self.k_split > 1 else ""
-        return (f"BM{self.block_m}xBN{self.block_n}xBK{self.block_k} g{self.group_m} "
-                f"w{self.num_warps} s{self.num_stages}{split}{always}")
-
-
-# bf16 default: one warpgroup (wgmma m64), 64-deep K steps.
-DEFAULT_BF16_TILE = GemmTile(64, 128, 64, group_m=8, num_warps=4, num_stages=4)
-# f32 runs the IEEE FMA path (no TF32): small tiles, it exists for correctness, not speed.
-DEFAULT_F32_TILE = GemmTile(32, 32, 32, group_m=8, num_warps=4, num_stages=2)
-
-# Per-shape tiles for bf16, keyed by (N, K): the Llama-3-8B projections, chosen from H200 sweeps
-# (`jengine bench --parts leaves --tile-candidates ...`; docs/performance.md has the timings). A
-# tile is one choice for every M, so each trades decode (M <= 256, weight-streaming bound) against
-# prefill (M = 4096); the schedule may follow M, the bits do not. k_split gives small M enough
-# programs: at M <= 64 o_proj has 32 output tiles for 132 SMs, split 4 ways 128.
-# k/v_proj share q_proj's tile so that q/k/v run as one grouped launch (gemm_group_triton), which
-# needs one tile for every member.
-_K4 = GemmTile(128, 128, 64, num_warps=8, num_stages=4, k_split=4, split_at_every_m=True)
-TUNED_BF16_TILES: dict[tuple[int, int], GemmTile] = {
-    (4096, 4096): _K4,  # q_proj, o_proj (H200 us at M=1/64/4096: 19.9/22.2/372; XLA 17/18/215)
-    (1024, 4096): _K4,  # k_proj, v_proj
-    (14336, 4096): GemmTile(128, 128, 64, num_warps=8, num_stages=4, k_split=2),  # gate, up
-    (4096, 14336): _K4,  # down_proj (42.9/44.8/925; XLA 41/43/736)
-}
 # Below this many output tiles a step runs the split schedule (when the tile has k_split > 1).
 SPLIT_BELOW_TILES = 128
 REDUCE_BLOCK = 1024
-# Wide outputs (LM heads): 128x256 tiles matched cuBLAS from M = 1 to 4096 at N = 131072.
-WIDE_BF16_TILE = GemmTile(128, 256, 64, num_warps=8, num_stages=3)
-WIDE_N = 32768
-
-
-def tile_for(n: int, k: int, dtype) -> GemmTile:
-    """The tile for a static (N, K, dtype). The row count is deliberately not an argument."""
-    if dtype_name(dtype) == "f32":
-        return DEFAULT_F32_TILE
-    if (n, k) in TUNED_BF16_TILES:
-        return TUNED_BF16_TILES[(n, k)]
-    return WIDE_BF16_TILE if n >= WIDE_N else DEFAULT_BF16_TILE
 
 
 def _check(x, w, bias, out_dtype) -> tuple[int, int, int]:
@@ -308,10 +253,8 @@ def gemm_group_triton_torch(x, ws, biases=None, *, out_dtype, schedule: str | No
     return tuple(outs)
 
 
-# The model asks a GEMM leaf for its grouped form (ModelKernels.gemm_group); leaves without one run
-# one call per member.
-gemm_triton.grouped = gemm_group_triton
-
 if triton_available():
-    register("linear", "gemm", "triton_fixed_tile", formats=FORMATS, hardware={"gpu"},
-             priority=Priority.TUNED, **INVARIANT)(gemm_triton)
+    # The same impl name and declarations in both families, so one request plans both.
+    for family_name, fn in (("gemm", gemm_triton), ("gemm_group", gemm_group_triton)):
+        register("linear", family_name, "triton_fixed_tile", formats=FORMATS, hardware={"gpu"},
+                 priority=Priority.TUNED, **INVARIANT)(fn)

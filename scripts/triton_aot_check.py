@@ -40,8 +40,9 @@ def gemm_kernels():
     """(label, fn, args, consts, warps, stages) of every GEMM launch the tuned tiles make."""
     from pallas_kernels import _triton_kernels as K
     from pallas_kernels import triton_gemm as tg
+    from pallas_kernels.triton_gemm_tiles import TILES
 
-    shapes = {**{nk: [nk[0]] for nk in tg.TUNED_BF16_TILES},
+    shapes = {**{(n, k): [n] for n, k, dtype in TILES.tuned() if dtype == "bf16"},
               (6144, 4096): [4096, 1024, 1024],  # q/k/v grouped
               (28672, 4096): [14336, 14336]}  # gate/up grouped
     for (n, k), members in shapes.items():

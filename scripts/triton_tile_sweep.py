@@ -11,7 +11,7 @@ Caveat measured on the H200: do_bench times each call with events, and at M <= 2
 20-60 us is shorter than the torch launcher's Python work, so small-M times here include launch
 overhead and vary between machines (up to 2x). Use them for M = 4096 only; for small M compare tiles
 with `jengine bench --parts leaves --tile-candidates ...`, which times chains inside one jit. The chosen
-tiles go into pallas_kernels/triton_gemm.TUNED_BF16_TILES by hand, with the numbers in
+tiles go into a table of pallas_kernels/triton_gemm_tiles.json by hand, with the numbers in
 docs/performance.md.
 """
 

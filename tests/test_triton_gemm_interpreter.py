@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 if not triton_interpreter.AVAILABLE:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-from pallas_kernels import triton_gemm  # noqa: E402
+from pallas_kernels import triton_gemm, triton_gemm_tiles  # noqa: E402
 
 TILE = triton_gemm.GemmTile(32, 32, 32, num_warps=4, num_stages=2, k_split=4)
 K, N = 256, 80  # N not a multiple of BN: masked columns
@@ -63,7 +63,7 @@ def test_schedule_choice_and_tile_check():
     assert triton_gemm.schedule_for(4096, 14336, triton_gemm.tile_for(14336, 4096, "bf16")) == "serial"
     assert triton_gemm.schedule_for(4096, 99, triton_gemm.GemmTile(32, 32, 32, k_split=4)) == "serial"
     assert triton_gemm.schedule_for(1, 131072, triton_gemm.tile_for(131072, 4096, "bf16")) == "serial"
-    for (n, k), tile in triton_gemm.TUNED_BF16_TILES.items():
+    for (n, k, _), tile in triton_gemm_tiles.TILES.tuned().items():
         assert k % (tile.k_split * tile.block_k) == 0, (n, k, tile)
     bad = triton_gemm.GemmTile(32, 32, 32, k_split=3)
     with pytest.raises(ValueError, match="K=256 is not a multiple of k_split"):

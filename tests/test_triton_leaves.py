@@ -1,8 +1,9 @@
 """The Triton GPU leaves: what can be checked on any machine, and the bitwise checks that need a GPU.
 
-Any machine: the modules import without triton (and then register nothing), tiles are a function of
-static shapes only, bad input names the field, jax-triton's import no longer breaks Triton's cache
-for torch in the same process, and the bench's byte count matches Llama-3-8B's published size.
+Any machine: the modules import without triton (and then register nothing), each leaf matches its
+family's declared signature, tiles are a function of static shapes only and the tile tables give
+exactly the tiles of before, bad input names the field, jax-triton's import no longer breaks Triton's
+cache for torch in the same process, and the bench's byte count matches Llama-3-8B's published size.
 
 GPU (skipped unless triton, jax-triton, torch CUDA and a JAX GPU backend are all present; run on the
 GPU machine with ``JAX_PLATFORMS=cuda``): row invariance and torch-vs-jax launch bit equality, with
@@ -20,16 +21,27 @@ import sys
 import numpy as np
 import pytest
 
-from pallas_kernels import triton_activation, triton_gemm, triton_norm, triton_sampling
+from pallas_kernels import (triton_activation, triton_attention, triton_gemm, triton_gemm_tiles,
+                            triton_norm, triton_sampling)
 from pallas_kernels._triton_launch import bits, dtype_name, import_jax_triton, triton_available
 from pallas_kernels.registry import REGISTRY
 
-TRITON_IMPLS = {("linear", "gemm"): "triton_fixed_tile", ("norm", "rmsnorm"): "triton_fixed_tree",
+TRITON_IMPLS = {("linear", "gemm"): "triton_fixed_tile",
+                ("linear", "gemm_group"): "triton_fixed_tile",
+                ("norm", "rmsnorm"): "triton_fixed_tree",
                 ("norm", "add_rmsnorm"): "triton_fixed_tree",
                 ("activation", "silu"): "triton_elementwise",
                 ("sampling", "block_sumexp"): "triton_fixed_tree",
                 ("attention", "paged"): "triton_fixed_split",
                 ("attention", "dense_causal"): "triton_fixed_split"}
+TRITON_LEAVES = {("linear", "gemm"): triton_gemm.gemm_triton,
+                 ("linear", "gemm_group"): triton_gemm.gemm_group_triton,
+                 ("norm", "rmsnorm"): triton_norm.rmsnorm_triton,
+                 ("norm", "add_rmsnorm"): triton_norm.add_rmsnorm_triton,
+                 ("activation", "silu"): triton_activation.silu_triton,
+                 ("sampling", "block_sumexp"): triton_sampling.block_sumexp_triton,
+                 ("attention", "paged"): triton_attention.paged_attention_triton,
+                 ("attention", "dense_causal"): triton_attention.dense_causal_attention_triton}
 
 
 # -- any machine -----------------------------------------------------------------------------------
@@ -47,16 +59,109 @@ def test_registration_follows_triton_availability():
         assert leaf.traits == {"deterministic": True, "batch_invariant": True}
 
 
+def test_every_triton_leaf_matches_its_familys_signature():
+    """Registration checks this only where the leaves register (a GPU); checked here anywhere."""
+    assert set(TRITON_LEAVES) == set(TRITON_IMPLS)
+    for (family, name), fn in TRITON_LEAVES.items():
+        REGISTRY.check_signature(family, name, TRITON_IMPLS[(family, name)], fn)
+
+
 def test_tile_is_a_function_of_static_shape_only():
     assert list(inspect.signature(triton_gemm.tile_for).parameters) == ["n", "k", "dtype"]
-    tiles = list(triton_gemm.TUNED_BF16_TILES.values()) + [triton_gemm.DEFAULT_BF16_TILE,
-                                                            triton_gemm.WIDE_BF16_TILE]
-    for t in tiles:
+    tables = triton_gemm_tiles.TILES
+    bf16 = [t for (_, _, d), t in tables.tuned().items() if d == "bf16"]
+    for t in bf16 + [tile for _, tile in tables.defaults["bf16"]]:
         # bf16 tiles stay on the wgmma path (BM >= 64) and use power-of-two blocks.
         assert t.block_m >= 64, t
         for v in (t.block_m, t.block_n, t.block_k):
             assert v & (v - 1) == 0, t
-    assert triton_gemm.tile_for(4096, 4096, "f32") == triton_gemm.DEFAULT_F32_TILE
+
+
+# (N, K) -> tile as (block_m, block_n, block_k, group_m, num_warps, num_stages, k_split,
+# split_at_every_m), written from triton_gemm.tile_for before the tiles became data: the GPU bits
+# of every model depend on them, so the tables must keep giving exactly these.
+K4 = (128, 128, 64, 8, 8, 4, 4, True)
+BF16_DEFAULT, BF16_WIDE = (64, 128, 64, 8, 4, 4, 1, False), (128, 256, 64, 8, 8, 3, 1, False)
+TILES_BEFORE = {
+    "bf16": {(4096, 4096): K4, (1024, 4096): K4, (14336, 4096): (128, 128, 64, 8, 8, 4, 2, False),
+             (4096, 14336): K4, (4096, 1024): BF16_DEFAULT, (1024, 1024): BF16_DEFAULT,
+             (32768, 4096): BF16_WIDE, (32767, 4096): BF16_DEFAULT, (131072, 4096): BF16_WIDE,
+             (152064, 3584): BF16_WIDE, (128256, 4096): BF16_WIDE, (14336, 14336): BF16_DEFAULT,
+             (8, 16): BF16_DEFAULT, (6144, 4096): BF16_DEFAULT, (28672, 4096): BF16_DEFAULT},
+}
+TILES_BEFORE["f32"] = {nk: (32, 32, 32, 8, 4, 2, 1, False) for nk in TILES_BEFORE["bf16"]}
+
+
+def test_the_tile_tables_give_exactly_the_tiles_of_before():
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    names = [f.name for f in dataclasses.fields(triton_gemm.GemmTile)]
+    for dtype, expected in TILES_BEFORE.items():
+        for dt in (dtype, jnp.bfloat16 if dtype == "bf16" else jnp.float32):
+            for (n, k), fields in expected.items():
+                got = triton_gemm.tile_for(n, k, dt)
+                assert {f: getattr(got, f) for f in names} == dict(zip(names, fields)), (n, k, dt)
+    assert sorted(triton_gemm_tiles.TILES.tuned()) == sorted(
+        (n, k, "bf16") for n, k in [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)])
+    with pytest.raises(ValueError, match="dtype=f16 has no default tile"):
+        triton_gemm.tile_for(4096, 4096, "f16")
+
+
+def _write_tiles(tmp_path, doc) -> str:
+    import json
+
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+TILE = {"block_m": 64, "block_n": 64, "block_k": 64}
+
+
+def _doc(tables, tiles=None, defaults=None):
+    return {"tiles": tiles or {"a": TILE, "b": dict(TILE, k_split=2)}, "tables": tables,
+            "defaults": defaults or {"bf16": [{"min_n": 0, "tile": "a"}]}}
+
+
+def test_tables_may_repeat_an_entry_but_never_disagree(tmp_path):
+    entry = {"dtype": "bf16", "n": 256, "k": 512, "tile": "b"}
+    same = triton_gemm_tiles.load(_write_tiles(tmp_path, _doc(
+        {"one": {"entries": [entry]}, "two": {"entries": [entry]}})))
+    assert same.tile_for(256, 512, "bf16").k_split == 2
+    assert same.tile_for(256, 1024, "bf16").k_split == 1  # the default
+    disagree = {"one": {"entries": [entry]}, "two": {"entries": [dict(entry, tile="a")]}}
+    with pytest.raises(triton_gemm_tiles.TileTableError) as info:
+        triton_gemm_tiles.load(_write_tiles(tmp_path, _doc(disagree)))
+    assert "(N, K, dtype)=(256, 512, 'bf16'): table 'one' gives BM64xBN64xBK64 g8 w4 s4 k2, " \
+           "table 'two' BM64xBN64xBK64 g8 w4 s4" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("doc, needle", [
+    (_doc({}, tiles={"a": dict(TILE, blockm=64)}), "tile 'a': unknown fields ['blockm']"),
+    (_doc({}, tiles={"a": dict(TILE, k_split=2.0)}), "tile 'a': k_split=2.0 must be int"),
+    (_doc({"t": {"entries": [{"dtype": "bf16", "n": 1, "k": 2, "tile": "c"}]}}),
+     "table 't' entry 0: tile='c' is not one of the named tiles ['a', 'b']"),
+    (_doc({"t": {"entries": [{"dtype": "bf16", "n": 1, "tile": "a"}]}}),
+     "table 't' entry 0: needs integer n, k and a dtype"),
+    (_doc({}, defaults={"f32": [{"min_n": 4, "tile": "a"}]}),
+     "defaults 'f32': the last rule must have min_n=0"),
+])
+def test_a_malformed_tile_file_names_what_is_wrong(tmp_path, doc, needle):
+    with pytest.raises(triton_gemm_tiles.TileTableError) as info:
+        triton_gemm_tiles.load(_write_tiles(tmp_path, doc))
+    assert needle in str(info.value), str(info.value)
+
+
+def test_the_tile_file_ships_with_the_package():
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "*.json" in data["package-data"]["pallas_kernels"]
+    assert triton_gemm_tiles.TILES_PATH.parent.name == "pallas_kernels"
 
 
 @pytest.mark.parametrize("call, needle", [

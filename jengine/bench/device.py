@@ -59,7 +59,8 @@ def part_leaves(args) -> dict:
 
     impls = {"auto (XLA dot)": gemm_xla_native, "rl-bitwise (Triton fixed tile)": gemm_triton}
     # Extra tiles (BM,BN,BK,GROUP_M,WARPS,STAGES) timed on the projection shapes, through the very
-    # path the model uses (jax-triton inside jit): the data behind TUNED_BF16_TILES.
+    # path the model uses (jax-triton inside jit): the data behind the tile tables
+    # (pallas_kernels/triton_gemm_tiles.json).
     extra = {}
     for spec in args.tile_candidates or ():  # "BM,BN,BK,G,W,S[,KSPLIT][:split|:serial]"
         fields, _, schedule = spec.partition(":")
