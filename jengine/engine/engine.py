@@ -52,6 +52,7 @@ class Engine:
         from jengine.numerics import resolve_launch
 
         resolved = resolve_launch(cfg)
+        logging.getLogger("jengine").setLevel(resolved.config.log_level.upper())
         resolved.apply_environment()  # before anything touches a JAX device
         logger.info("%s", resolved.describe())
         logger.debug("resolved launch: %s", json.dumps(resolved.as_dict(), default=str, sort_keys=True))
