@@ -36,6 +36,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "attention_backend": ("auto", "batch_invariant", "portable"),
     "dtype": ("auto", "bfloat16", "float32"),
     "tp_batch_invariant": ("off", "attn", "all"),
+    "log_level": ("debug", "info", "warning", "error", "critical"),
 }
 
 
@@ -49,7 +50,6 @@ class LaunchConfig:
     model_path: str = _opt("tiny", "HF-format model directory, or 'tiny' for the embedded model")
     dtype: str = _opt("auto", "activation/weight dtype; auto = the checkpoint's torch_dtype")
     context_length: int | None = _opt(None, "max tokens per request (default: the model's)")
-    seed: int = _opt(0, "seed for anything random at launch (not sampling: that is per request)")
 
     # -- numerics envelope and its switches (None = not given explicitly) ------------------------
     numerics: str = _opt("auto", "numerical contract: auto, or rl-bitwise (bitwise run/batch "
@@ -77,8 +77,10 @@ class LaunchConfig:
     deterministic_ops: bool | None = _opt(None, "XLA deterministic ops flags", flag=True)
     quantization: str | None = _opt(None, "checkpoint quantization (none supported under bitwise)")
 
-    # -- parallelism (single device for now; see sharding/) ------------------------------------
+    # -- parallelism (single device for now: anything but 1 is refused; see sharding/) ----------
     tp_size: int = _opt(1, "tensor parallel size")
+    dp_size: int = _opt(1, "data parallel size (attention DP)")
+    ep_size: int = _opt(1, "expert parallel size (MoE families)")
     moe_tp_size: int = _opt(1, "MoE tensor parallel size")
 
     # -- scheduler and memory ------------------------------------------------------------------
@@ -98,7 +100,7 @@ class LaunchConfig:
     port: int = _opt(30000, "port")
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every route but /health")
     served_model_name: str | None = _opt(None, "model name reported by /v1/models")
-    log_level: str = _opt("info", "log level")
+    log_level: str = _opt("info", "log level of jengine's loggers (and the server's)")
 
     def replace(self, **changes) -> "LaunchConfig":
         return dataclasses.replace(self, **changes)
@@ -118,13 +120,36 @@ def validate_choices(cfg: LaunchConfig, extra_numerics: tuple[str, ...] = ()) ->
         if value not in allowed:
             raise ValueError(f"--{name.replace('_', '-')}={value!r} is not one of {list(allowed)}")
     for name in ("page_size", "chunked_prefill_size", "max_prefill_tokens",
-                 "max_running_requests", "input_logprob_chunk_tokens", "tp_size", "moe_tp_size"):
+                 "max_running_requests", "input_logprob_chunk_tokens", "tp_size", "dp_size",
+                 "ep_size", "moe_tp_size"):
         value = getattr(cfg, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name.replace('_', '-')}={value!r} must be a positive integer")
     if cfg.max_total_tokens is not None and cfg.max_total_tokens < cfg.page_size:
         raise ValueError(f"--max-total-tokens={cfg.max_total_tokens} is smaller than one page "
                          f"(--page-size={cfg.page_size})")
+
+
+class LaunchRefusal(ValueError):
+    """A launch option jengine accepts by name but cannot honour: refused with the reason, never
+    silently run without it (numerics.NumericsRefusal is the envelopes' kind)."""
+
+
+# Until the multi-device issue lands every parallel size is 1; a larger one would be accepted
+# and silently served by one device.
+PARALLEL_SIZES = ("tp_size", "dp_size", "ep_size", "moe_tp_size")
+
+
+def refuse_inert_options(cfg: LaunchConfig) -> None:
+    """Refuse every option value that would change nothing (resolve_launch calls this once)."""
+    for name in PARALLEL_SIZES:
+        value = getattr(cfg, name)
+        if value != 1:
+            raise LaunchRefusal(f"--{name.replace('_', '-')} {value}: multi-device execution is not "
+                                "implemented yet; jengine runs on one device (size 1)")
+    if cfg.quantization not in (None, "", "none"):
+        raise LaunchRefusal(f"--quantization {cfg.quantization}: jengine has no quantized "
+                            "execution; the weights run in --dtype")
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from jengine import xla_environment
-from jengine.config import CHOICES, LaunchConfig, validate_choices
+from jengine.config import CHOICES, LaunchConfig, LaunchRefusal, refuse_inert_options, validate_choices
 from jengine.profiles import PROFILES, ModelProfile
 
 logger = logging.getLogger("jengine.numerics")
@@ -59,7 +59,7 @@ SWITCH_DEFAULTS: dict[str, Any] = {
 SWITCHES = tuple(SWITCH_DEFAULTS)
 
 
-class NumericsRefusal(ValueError):
+class NumericsRefusal(LaunchRefusal):
     """A launch or a model the envelope cannot honour. The message names the rule and the values."""
 
 
@@ -293,6 +293,8 @@ def _resolve_switches(cfg: LaunchConfig) -> tuple[LaunchConfig, NumericsEnvelope
                         f"LaunchConfig it was given with switches set, got {resolved!r}")
     if resolved.numerics in BITWISE_ENVELOPES:
         resolved = _apply_bitwise_pins(resolved)
+    # After the envelope: where it refuses an option for its own lasting reason, that one is shown.
+    refuse_inert_options(resolved)
     resolved = dataclasses.replace(resolved, **{n: SWITCH_DEFAULTS[n] for n in SWITCHES
                                                 if getattr(resolved, n) is None})
     # The resolver is a plugin's code: check what it wrote too, so downstream can trust it.
@@ -317,19 +319,14 @@ def resolve_launch(cfg: LaunchConfig, *, hardware: str | None = None,
         raise NumericsRefusal(f"--numerics {config.numerics}: {e}") from e
     precise = config.deterministic_ops  # "no TF32": f32 matmuls in f32 on every platform
     environment = {"NVIDIA_TF32_OVERRIDE": "0"} if precise and hardware.startswith("gpu") else {}
-    warnings = []
-    if bitwise and config.tp_size > 1 and config.tp_batch_invariant not in ("attn", "all"):
-        warnings.append(
-            f"--numerics {config.numerics} with --tp-size {config.tp_size} but without "
-            "--tp-batch-invariant attn: o_proj/down_proj sum W partials in an ordered fold, which "
-            "is batch-invariant but not the full-K GEMM a TP1 engine or the trainer computes")
-    for w in warnings:
-        logger.warning(w)
     return ResolvedLaunch(
         config=config, envelope=envelope, bitwise=bitwise,
         required_features=frozenset({"batch_invariant"}) if bitwise else frozenset(),
         hardware=hardware, xla_flags=flags, environment=environment,
-        matmul_precision="highest" if precise else None, warnings=tuple(warnings))
+        matmul_precision="highest" if precise else None,
+        # Launch warnings (--tp-size > 1 without --tp-batch-invariant attn under a bitwise
+        # envelope, spec "Parallelism") come back with multi-device execution; today TP is refused.
+        warnings=())
 
 
 # -- model construction -----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 
 from jengine import numerics, xla_environment
-from jengine.config import CHOICES, LaunchConfig
+from jengine.config import CHOICES, LaunchConfig, LaunchRefusal
 from jengine.numerics import (BITWISE_ENVELOPES, ENVELOPES, NumericsEnvelope, NumericsRefusal,
                               check_model, register_numerics_envelope, resolve_launch,
                               unregister_numerics_envelope)
@@ -137,7 +137,9 @@ def test_rl_bitwise_explicit_choice(name, explicit, expected):
 def test_rl_bitwise_launch_refusals(kw, pattern):
     with pytest.raises(NumericsRefusal, match=pattern):
         resolve(numerics="rl-bitwise", **kw)
-    resolve(**kw)  # the same launch is fine under auto
+    with pytest.raises(LaunchRefusal) as auto:  # under auto: refused as an option that does nothing
+        resolve(**kw)
+    assert not isinstance(auto.value, NumericsRefusal)
 
 
 def test_closed_sets_are_validated_with_field_and_value():
@@ -151,13 +153,13 @@ def test_eplb_with_the_rank_combine_stays_an_auto_launch():
     assert resolve(enable_eplb=True).config.moe_combine_order == "rank"
 
 
-def test_tp_without_tp_batch_invariant_warns_under_bitwise(caplog):
-    with caplog.at_level(logging.WARNING, logger="jengine.numerics"):
-        r = resolve(numerics="rl-bitwise", tp_size=2)
-    assert r.warnings and "--tp-batch-invariant attn" in r.warnings[0]
-    assert any("--tp-batch-invariant attn" in rec.getMessage() for rec in caplog.records)
-    assert resolve(numerics="rl-bitwise", tp_size=2, tp_batch_invariant="attn").warnings == ()
-    assert resolve(tp_size=2).warnings == ()  # auto promises nothing to warn about
+@pytest.mark.parametrize("name", ["tp_size", "dp_size", "ep_size", "moe_tp_size"])
+@pytest.mark.parametrize("numerics", ["auto", "rl-bitwise"])
+def test_parallel_sizes_above_one_are_refused_until_multi_device_lands(name, numerics):
+    flag = "--" + name.replace("_", "-")
+    with pytest.raises(LaunchRefusal, match=rf"{flag} 2\b.*(multi-device|MoE TP must be 1)"):
+        resolve(numerics=numerics, **{name: 2})
+    assert resolve(numerics=numerics, tp_batch_invariant="attn").warnings == ()
 
 
 def test_as_dict_lists_every_switch_and_the_envelope():

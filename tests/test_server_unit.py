@@ -14,7 +14,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from jengine.config import LaunchConfig
-from jengine.engine.request import SamplingParams, derive_sample_seeds
+from jengine.engine.io_struct import RequestLimits
+from jengine.engine.request import InvalidRequest, SamplingParams, derive_sample_seeds
 from jengine.server.app import create_app
 from jengine.server.metrics import _after_overlap
 
@@ -41,6 +42,9 @@ class FakeEngine:
                                                   input_vocab_size=input_vocab_size,
                                                   max_position_embeddings=max_context)
         self.max_context = max_context
+        # No KV pool: the pool bound never binds here.
+        self.request_limits = RequestLimits(max_context, input_vocab_size, vocab_size,
+                                            pool_tokens=1 << 30, page_size=1)
         self.resolved = types.SimpleNamespace(config=LaunchConfig(), as_dict=lambda: {"numerics": "auto"})
         self.token_delay_s = token_delay_s
         self.submitted: list[dict] = []
@@ -245,14 +249,15 @@ def test_bad_generate_input_is_400_naming_field_and_value(client, body, field, v
         "max_new_tokens": 1}}).status_code == 200
 
 
-def test_engine_value_error_becomes_400_with_parsed_field():
+def test_engine_refusal_becomes_400_read_from_its_fields():
     class Refusing(FakeEngine):
         def submit(self, **kw):
-            raise ValueError("input_ids[0]=5 is refused by the engine")
+            raise InvalidRequest("input_ids[0]", 5, "is refused by the engine")
 
     with TestClient(create_app(Refusing())) as c:
         err = c.post("/generate", json={"input_ids": [5]}).json()["error"]
-    assert (err["field"], err["value"]) == ("input_ids[0]", "5")
+    assert (err["field"], err["value"]) == ("input_ids[0]", 5)
+    assert err["message"] == "input_ids[0]=5 is refused by the engine"
 
 
 def test_unexpected_failure_is_500_for_that_request_only():

@@ -1,7 +1,7 @@
 """`Engine`: the Python API (SGLang-shaped) around one scheduler, one model runner and one sampler.
 
-Requests are validated synchronously in the caller's thread (bad input raises ValueError naming the
-field and value, and nothing is queued); the engine loop runs in a background thread. Each step:
+Requests are validated synchronously in the caller's thread (bad input raises `InvalidRequest`, a
+ValueError naming the field and value, and nothing is queued); the engine loop runs in a background thread. Each step:
 
     scheduler.schedule() -> StepBatch -> runner.forward -> hidden rows
       sampling rows:   runner.compute_logits -> sampler.sample / token_logprobs / top_logprobs
@@ -27,11 +27,12 @@ import uuid
 from typing import Any, Callable
 
 from jengine.config import LaunchConfig, launch_config_from_kwargs
-from jengine.engine.io_struct import RequestHandle, expand_request, normalize_generate_args
+from jengine.engine.io_struct import (RequestHandle, RequestLimits, normalize_generate_args,
+                                      validate_request)
 from jengine.engine.kv_manager import KVManager
 from jengine.engine.logits_processor import SegmentResult, compute_step_outputs
 from jengine.engine.output_processor import OutputProcessor, RequestState, StepOutput
-from jengine.engine.request import Req
+from jengine.engine.request import InvalidRequest, Req
 from jengine.engine.scheduler import Scheduler, SchedulerConfig, Segment
 
 logger = logging.getLogger("jengine.engine")
@@ -51,6 +52,7 @@ class Engine:
         from jengine.numerics import resolve_launch
 
         resolved = resolve_launch(cfg)
+        logging.getLogger("jengine").setLevel(resolved.config.log_level.upper())
         resolved.apply_environment()  # before anything touches a JAX device
         logger.info("%s", resolved.describe())
         logger.debug("resolved launch: %s", json.dumps(resolved.as_dict(), default=str, sort_keys=True))
@@ -95,6 +97,11 @@ class Engine:
         self._model_info = dict(model_info or {})
         self.max_context = int(runner.max_context)
         self.kv = KVManager(runner.num_pages, runner.page_size)
+        self.request_limits = RequestLimits(
+            max_context=self.max_context,
+            input_vocab_size=int(getattr(model_config, "input_vocab_size", model_config.vocab_size)),
+            vocab_size=int(model_config.vocab_size),
+            pool_tokens=self.kv.capacity_pages * self.kv.page_size, page_size=self.kv.page_size)
         self.scheduler = Scheduler(SchedulerConfig(
             page_size=runner.page_size,
             max_context=self.max_context,
@@ -237,11 +244,8 @@ class Engine:
     # Admission (caller's thread)
     # ---------------------------------------------------------------------------------------------
     def _validate(self, *, rid: Any = None, **item: Any) -> list[Req]:
-        return expand_request(
-            **item, rid=uuid.uuid4().hex if rid is None else rid, max_context=self.max_context,
-            input_vocab_size=int(getattr(self.model_config, "input_vocab_size", self.model_config.vocab_size)),
-            vocab_size=int(self.model_config.vocab_size),
-            pool_tokens=self.kv.capacity_pages * self.kv.page_size, page_size=self.kv.page_size)
+        return validate_request(self.request_limits, **item,
+                                rid=uuid.uuid4().hex if rid is None else rid)
 
     def _enqueue(self, groups: list[list[Req]], *, stream: bool,
                  on_output: Callable | None) -> list[RequestHandle]:
@@ -253,7 +257,7 @@ class Engine:
                 raise RuntimeError("the engine is shut down")
             clash = [r for i, r in enumerate(rids) if r in self._tracked or r in rids[:i]]
             if clash:
-                raise ValueError(f"rid={clash[0]!r} is already in flight")
+                raise InvalidRequest("rid", clash[0], "is already in flight")
             for reqs in groups:
                 base_rid = reqs[0].rid if len(reqs) == 1 else reqs[0].rid.rsplit("-", 1)[0]
                 handle = RequestHandle(base_rid, [r.rid for r in reqs], single=reqs[0].sampling.n == 1)

@@ -1,19 +1,20 @@
 """What crosses the API boundary: argument normalisation and validation on the way in, the
 SGLang-shaped output dict on the way out, and the handle a caller waits on (SGLang's io_struct).
 
-Validation runs in the caller's thread, before anything is queued, so bad input raises a ValueError
-naming the field and the value and the engine never sees it.
+Validation (`validate_request`) runs in the caller's thread, before anything is queued, so bad input
+raises an `InvalidRequest` (a ValueError) naming the field and the value and the engine never sees it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jengine.engine.request import Req, SamplingParams, default_seed, derive_sample_seeds, is_int
+from jengine.engine.request import InvalidRequest, Req, SamplingParams, is_int, sample_rids_and_seeds
 
 if TYPE_CHECKING:  # output_processor imports this module
     from jengine.engine.output_processor import RequestState
@@ -98,14 +99,25 @@ class RequestHandle:
         return outs[0] if self._single else outs
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request is validated against: the loaded model and the KV pool."""
+
+    max_context: int  # prompt + output tokens of one request
+    input_vocab_size: int  # prompt token ids are below this
+    vocab_size: int  # the output vocabulary: sampled ids, logprob targets, stop_token_ids
+    pool_tokens: int  # the KV pool (--max-total-tokens), a whole number of pages
+    page_size: int
+
+
 def _as_token_list(ids: Any, name: str) -> list[int]:
     if isinstance(ids, np.ndarray):
         ids = ids.tolist()
     if not isinstance(ids, (list, tuple)):
-        raise ValueError(f"{name} must be a list of token ids, got {type(ids).__name__}")
+        raise InvalidRequest(name, ids, f"must be a list of token ids, not {type(ids).__name__}")
     for i, t in enumerate(ids):
         if not is_int(t):
-            raise ValueError(f"{name}[{i}]={t!r} is not an int token id")
+            raise InvalidRequest(f"{name}[{i}]", t, "is not an int token id")
     return [int(t) for t in ids]
 
 
@@ -114,13 +126,14 @@ def normalize_generate_args(tokenizer: Any, prompt: Any, input_ids: Any, samplin
                             rid: Any) -> tuple[list[dict[str, Any]], bool]:
     """`generate`'s single-or-list arguments -> one dict per prompt, and whether a list came in."""
     if (prompt is None) == (input_ids is None):
-        raise ValueError("pass exactly one of prompt= or input_ids=")
+        raise InvalidRequest("prompt", prompt, "and input_ids: pass exactly one of prompt= or input_ids=",
+                             shown="")
     if prompt is not None:
         batched = isinstance(prompt, (list, tuple))
         texts = list(prompt) if batched else [prompt]
         for i, text in enumerate(texts):
             if not isinstance(text, str):
-                raise ValueError(f"prompt[{i}]={text!r} is not a string")
+                raise InvalidRequest(f"prompt[{i}]", text, "is not a string")
         ids_list = [tokenizer.encode(text) for text in texts]
     else:
         if isinstance(input_ids, np.ndarray):
@@ -133,10 +146,11 @@ def normalize_generate_args(tokenizer: Any, prompt: Any, input_ids: Any, samplin
     def per_item(value: Any, name: str, i: int) -> Any:
         if isinstance(value, list):
             if not batched or len(value) != count:
-                raise ValueError(f"{name} is a list of {len(value)} but {count} prompt(s) were given")
+                raise InvalidRequest(name, value, f"is a list of {len(value)} but {count} prompt(s) "
+                                     "were given", shown="")
             return value[i]
         if name == "rid" and batched and value is not None:
-            raise ValueError(f"rid={value!r}: a batch needs a list of rids (or none)")
+            raise InvalidRequest("rid", value, "is one string, but a batch needs a list of rids (or none)")
         return value
 
     items = [dict(input_ids=ids, sampling_params=per_item(sampling_params, "sampling_params", i),
@@ -148,57 +162,61 @@ def normalize_generate_args(tokenizer: Any, prompt: Any, input_ids: Any, samplin
     return items, batched
 
 
-def expand_request(*, input_ids: Any, sampling_params: Any, return_logprob: Any, logprob_start_len: Any,
-                   top_logprobs_num: Any, rid: str, max_context: int, input_vocab_size: int,
-                   vocab_size: int, pool_tokens: int, page_size: int) -> list[Req]:
-    """Validate one request against the loaded model and the pool; n > 1 becomes n requests
-    "<rid>-i" with distinct derived seeds. Every error names the field and the value."""
+def validate_request(limits: RequestLimits, *, input_ids: Any, sampling_params: Any,
+                     return_logprob: Any, logprob_start_len: Any, top_logprobs_num: Any,
+                     rid: Any) -> list[Req]:
+    """The one place a request is validated (the engine's `submit` and `generate`, and the HTTP
+    server before it admits a batch, all call it). n > 1 becomes n requests (see
+    `sample_rids_and_seeds`). Every refusal is an `InvalidRequest` naming the field and value."""
     sp = SamplingParams.from_dict(sampling_params)
     ids = _as_token_list(input_ids, "input_ids")
-    n_tok = len(ids)
+    n_tok, max_context = len(ids), limits.max_context
     if n_tok == 0:
-        raise ValueError("input_ids is empty: a request needs at least one prompt token")
+        raise InvalidRequest("input_ids", ids, "a request needs at least one prompt token",
+                             shown=" is empty:")
     if n_tok >= max_context:
-        raise ValueError(f"input_ids has {n_tok} tokens; the context length is {max_context} "
-                         f"(the prompt must leave room for one more token)")
-    pool_need = -(-n_tok // page_size) * page_size
-    if pool_need > pool_tokens:
-        raise ValueError(f"input_ids has {n_tok} tokens but the KV pool holds {pool_tokens} "
-                         f"(--max-total-tokens)")
+        raise InvalidRequest("input_ids", n_tok, f"the context length is {max_context} (the prompt "
+                             "must leave room for one more token)", shown=f" has {n_tok} tokens;")
+    pool_need = -(-n_tok // limits.page_size) * limits.page_size
+    if pool_need > limits.pool_tokens:
+        raise InvalidRequest("input_ids", n_tok, f"but the KV pool holds {limits.pool_tokens} "
+                             "(--max-total-tokens)", shown=f" has {n_tok} tokens")
     for i, t in enumerate(ids):
-        if not 0 <= t < input_vocab_size:
-            raise ValueError(f"input_ids[{i}]={t} is out of range [0, input_vocab_size={input_vocab_size})")
+        if not 0 <= t < limits.input_vocab_size:
+            raise InvalidRequest(f"input_ids[{i}]", t, "is out of range "
+                                 f"[0, input_vocab_size={limits.input_vocab_size})")
     if sp.max_new_tokens is None:
         sp = dataclasses.replace(sp, max_new_tokens=max_context - n_tok)
     if sp.max_new_tokens > max_context:
-        raise ValueError(f"sampling_params.max_new_tokens={sp.max_new_tokens} exceeds the context "
-                         f"length {max_context}")
+        raise InvalidRequest("sampling_params.max_new_tokens", sp.max_new_tokens,
+                             f"exceeds the context length {max_context}")
+    vocab_size = limits.vocab_size
     for i, t in enumerate(sp.stop_token_ids):
         if t >= vocab_size:
-            raise ValueError(f"sampling_params.stop_token_ids[{i}]={t} >= vocab_size={vocab_size}")
+            raise InvalidRequest(f"sampling_params.stop_token_ids[{i}]", t,
+                                 f"is not in the output vocabulary [0, vocab_size={vocab_size})")
     if not isinstance(return_logprob, (bool, np.bool_)):
-        raise ValueError(f"return_logprob={return_logprob!r} must be a bool")
+        raise InvalidRequest("return_logprob", return_logprob, "must be a bool")
     if not is_int(logprob_start_len) or not -1 <= logprob_start_len < n_tok:
-        raise ValueError(f"logprob_start_len={logprob_start_len!r} must be -1 or in [0, {n_tok}) "
-                         f"(the prompt has {n_tok} tokens)")
+        raise InvalidRequest("logprob_start_len", logprob_start_len, f"must be -1 or in [0, {n_tok}) "
+                             f"(the prompt has {n_tok} tokens)")
     if not is_int(top_logprobs_num) or not 0 <= top_logprobs_num <= vocab_size:
-        raise ValueError(f"top_logprobs_num={top_logprobs_num!r} must be an int in [0, {vocab_size}]")
+        raise InvalidRequest("top_logprobs_num", top_logprobs_num, f"must be an int in [0, {vocab_size}]")
     start = n_tok - 1 if logprob_start_len == -1 else int(logprob_start_len)
     if return_logprob:
         # Scored targets are input_ids[start + 1:]; they must be OUTPUT tokens (spec, "Input and
         # output vocabularies"). The token at `start` is context only and keeps the input bound.
         for i in range(start + 1, n_tok):
             if ids[i] >= vocab_size:
-                raise ValueError(f"input_ids[{i}]={ids[i]} is a prompt-logprob target but is out of "
-                                 f"the output vocabulary [0, vocab_size={vocab_size})")
+                raise InvalidRequest(f"input_ids[{i}]", ids[i], "is a prompt-logprob target but is "
+                                     f"out of the output vocabulary [0, vocab_size={vocab_size})")
     if not isinstance(rid, str) or not rid:
-        raise ValueError(f"rid={rid!r} must be a non-empty string")
+        raise InvalidRequest("rid", rid, "must be a non-empty string")
+    try:
+        rid.encode("utf-8")  # the default seed is crc32 of these bytes
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest("rid", rid, f"is not valid Unicode text: {exc.reason}") from None
 
-    base_seed = sp.seed if sp.seed is not None else default_seed(rid)
-    if sp.n == 1:
-        variants = [(rid, base_seed)]
-    else:
-        variants = [(f"{rid}-{i}", s) for i, s in enumerate(derive_sample_seeds(base_seed, sp.n))]
     return [Req(rid=r, prompt_ids=list(ids), sampling=sp, seed=seed, return_logprob=bool(return_logprob),
                 logprob_start_len=start, top_logprobs_num=int(top_logprobs_num) if return_logprob else 0)
-            for r, seed in variants]
+            for r, seed in sample_rids_and_seeds(rid, sp.seed, sp.n)]

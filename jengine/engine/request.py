@@ -28,8 +28,35 @@ def _is_number(value: Any) -> bool:
     return (is_int(value) or isinstance(value, (float, np.floating))) and math.isfinite(float(value))
 
 
-def _bad(name: str, value: Any, why: str) -> ValueError:
-    return ValueError(f"sampling_params.{name}={value!r}: {why}")
+_MAX_SHOWN_CHARS = 200  # a 100k-token prompt is not repeated whole in an error message
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses: the field (a path such as `input_ids[3]` or
+    `sampling_params.top_p`), its value, and why.
+
+    Raised only while a request is validated, before anything is queued. Callers read the three
+    parts, never the message: the HTTP server names the field its client sent
+    (`sampling_params.max_new_tokens` -> `max_tokens`) with `renamed`. The message is
+    "<field><shown> <reason>": `shown` is `=<value>` unless the caller gives a summary
+    (" has 200 tokens;"), and `reason` reads on from it ("must be in (0, 1]").
+    """
+
+    def __init__(self, field: str, value: Any, reason: str, *, shown: str | None = None) -> None:
+        self.field, self.value, self.reason = field, value, reason
+        if shown is None:
+            text = repr(value)
+            shown = "=" + (text if len(text) <= _MAX_SHOWN_CHARS
+                           else text[:_MAX_SHOWN_CHARS] + "...(truncated)")
+        self.shown = shown
+        super().__init__(f"{field}{shown} {reason}")
+
+    def renamed(self, field: str) -> "InvalidRequest":
+        return InvalidRequest(field, self.value, self.reason, shown=self.shown)
+
+
+def _bad(name: str, value: Any, why: str) -> InvalidRequest:
+    return InvalidRequest(f"sampling_params.{name}", value, why)
 
 
 @dataclass(frozen=True)
@@ -88,11 +115,13 @@ class SamplingParams:
         if isinstance(params, SamplingParams):
             return params
         if not isinstance(params, dict):
-            raise ValueError(f"sampling_params={params!r}: must be a dict")
+            raise InvalidRequest("sampling_params", params, "must be a dict")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(params) - known)
+        unknown = sorted(set(params) - known, key=str)
         if unknown:
-            raise ValueError(f"sampling_params has unknown key(s) {unknown}; known keys: {sorted(known)}")
+            raise _bad(unknown[0], params[unknown[0]],
+                       f"is not a sampling parameter: unknown key(s) {unknown}; known keys: "
+                       f"{sorted(known)}")
         return cls(**params)
 
     def with_seed(self, seed: int, n: int = 1) -> "SamplingParams":
@@ -122,6 +151,17 @@ def derive_sample_seeds(base_seed: int, n: int) -> list[int]:
         seeds[i] = s
         seen.add(s)
     return seeds
+
+
+def sample_rids_and_seeds(rid: str, seed: int | None, n: int) -> list[tuple[str, int]]:
+    """(rid, seed) of each of the n samples of one prompt: the only place they are derived (the
+    engine and the HTTP server both call it). n == 1 keeps the rid; n > 1 names the samples
+    `<rid>-<i>` and gives each a distinct seed derived from the request's seed (or, without one,
+    from crc32 of its rid): the samples differ, and the same request reproduces them."""
+    base = seed if seed is not None else default_seed(rid)
+    if n == 1:
+        return [(rid, base)]
+    return [(f"{rid}-{i}", s) for i, s in enumerate(derive_sample_seeds(base, n))]
 
 
 class ReqStatus(enum.Enum):

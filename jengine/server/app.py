@@ -130,9 +130,9 @@ def _add_admin_routes(app: FastAPI, state: ServerState) -> None:
         tokenizer = engine.tokenizer
         return JSONResponse({
             "model_path": state.model_path, "served_model_name": state.model_name,
-            "is_generation": True, "context_length": state.limits.context_length,
-            "input_vocab_size": state.limits.input_vocab_size,
-            "vocab_size": state.limits.vocab_size,
+            "is_generation": True, "context_length": state.limits.request.max_context,
+            "input_vocab_size": state.limits.request.input_vocab_size,
+            "vocab_size": state.limits.request.vocab_size,
             "has_chat_template": getattr(tokenizer, "chat_template", None) is not None,
             "model_config": engine.model_config})
 
@@ -169,4 +169,4 @@ def _add_admin_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse({"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": state.created,
             "owned_by": "jengine", "root": state.model_path,
-            "max_model_len": state.limits.context_length}]})
+            "max_model_len": state.limits.request.max_context}]})

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from jengine.server.admission import AdmissionLimits, WorkQueue
-from jengine.server.errors import RequestError, from_value_error
+from jengine.engine.request import InvalidRequest
+from jengine.server.errors import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -159,8 +160,8 @@ class AsyncEngine:
                      top_logprobs_num: int = 0, stream: bool = False,
                      admit: bool = True) -> RequestStream:
         """Submit one request (admission-checked unless ``admit`` is False: /health_generate's
-        probe). The engine validates synchronously; its ValueError propagates (the app maps it to
-        a 400 naming the field)."""
+        probe). The engine validates synchronously; its InvalidRequest becomes a 400 naming the
+        field."""
         return (await self.submit_all([dict(
             input_ids=input_ids, sampling_params=sampling_params, rid=rid,
             return_logprob=return_logprob, logprob_start_len=logprob_start_len,
@@ -207,9 +208,9 @@ class AsyncEngine:
         try:
             await self.run_blocking(self.engine.submit, rid=rid, stream=stream,
                                     on_output=on_output, **item)
-        except ValueError as exc:  # the engine's own validation: a client mistake
+        except InvalidRequest as exc:  # the engine's own validation: a client mistake
             self._forget(rid)
-            raise from_value_error(exc) from None
+            raise RequestError.from_invalid(exc) from None
         except BaseException:
             self._forget(rid)
             raise

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 
+from jengine.engine.request import InvalidRequest
 from jengine.server.http_utils import JSONResponse
 
 _MAX_VALUE_CHARS = 200  # a 100k-token prompt must not be echoed back whole
@@ -42,6 +43,21 @@ class RequestError(Exception):
         message = self.message.replace(self.field, new_field) if new_field != self.field else self.message
         return RequestError(message, new_field, self.value, self.status, self.headers)
 
+    @classmethod
+    def from_invalid(cls, exc: InvalidRequest, names: dict[str, str] | None = None) -> "RequestError":
+        """The engine's refusal as a 400 naming the field the client sent. `names` maps an engine
+        field path's head to the route's: {"input_ids": "text[2]"} makes `input_ids[5]` read
+        `text[2][5]`; {"sampling_params.max_new_tokens": "max_tokens", "sampling_params": ""}
+        makes `sampling_params.top_p` read `top_p`. The longest matching head wins."""
+        field = exc.field
+        for head in sorted(names or {}, key=len, reverse=True):
+            rest = field[len(head):]
+            if field.startswith(head) and rest[:1] in ("", ".", "["):
+                new = names[head]
+                field = new + rest if new else rest.lstrip(".")
+                break
+        return cls(str(exc.renamed(field)), field, exc.value)
+
 
 def _json_safe(value: Any) -> Any:
     """Echo the offending value if it is small JSON; otherwise a truncated repr."""
@@ -64,23 +80,6 @@ def error_response(message: str, field: str | None = None, value: Any = None,
     body = {"error": {"message": message, "type": kind, "field": field, "value": _json_safe(value),
                       "code": status}}
     return JSONResponse(body, status_code=status, headers=headers)
-
-
-# The engine's own validation raises ValueError with a message such as
-# "sampling_params.temperature=-1.0 must be >= 0". Engines that attach `.field` / `.value` are used
-# as is; otherwise the first `name=value` in the message is taken.
-_FIELD_IN_MESSAGE = re.compile(r"([A-Za-z_][\w.\[\]]*)\s*=\s*('[^']*'|\"[^\"]*\"|[^\s,;:)]+)")
-
-
-def from_value_error(exc: ValueError) -> RequestError:
-    field = getattr(exc, "field", None)
-    value = getattr(exc, "value", None)
-    message = str(exc)
-    if field is None:
-        match = _FIELD_IN_MESSAGE.search(message)
-        if match:
-            field, value = match.group(1).lstrip("-").replace("-", "_"), match.group(2).strip("'\"")
-    return RequestError(message, field, value)
 
 
 def validation_error(errors: list[dict]) -> RequestError:

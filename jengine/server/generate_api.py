@@ -18,18 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from jengine.engine.request import is_int
+from jengine.engine.request import SamplingParams, is_int
 from jengine.server.async_engine import RequestStream, Update
 from jengine.server.errors import RequestError
 from jengine.server.http_utils import (SSE_DONE, JSONResponse, SSEResponse, sse_event,
                                        unless_disconnected)
-from jengine.server.inputs import (check_logprob_options, check_prompt, check_text_lengths,
-                                   per_item, prompt_batch, sample_rids_and_seeds, sampling_params)
+from jengine.server.inputs import check_text_lengths, engine_items, per_item, prompt_batch
 from jengine.server.protocol import GenerateRequest, parse_body
 
 router = APIRouter()
@@ -59,13 +59,12 @@ async def _build_items(body: GenerateRequest, state: Any) -> tuple[list[dict], b
     field, prompts, is_batch = prompt_batch(body.text, body.input_ids)
     count = len(prompts)
     params = per_item(body.sampling_params, count, "sampling_params", is_batch)
-    params_field = ("sampling_params[{}]" if is_batch and isinstance(body.sampling_params, list)
-                    else "sampling_params")
-    ns = [_n(p, params_field.format(i), state.admission) for i, p in enumerate(params)]
+    # The field each value came from: `name[i]` where the client sent one value per prompt.
+    sent_as = {name: f"{name}[{{}}]" if is_batch and isinstance(getattr(body, name), list) else name
+               for name in ("sampling_params",) + _PER_ITEM_OPTIONS}
+    ns = [_n(p, sent_as["sampling_params"].format(i), state.admission) for i, p in enumerate(params)]
     state.admission.check_fanout(count, max(ns), "text" if field == "text" else "input_ids")
-    logprob = {name: per_item(getattr(body, name), count, name, is_batch) for name in _OPTION_TYPES}
-    option_field = {name: f"{name}[{{}}]" if is_batch and isinstance(getattr(body, name), list)
-                    else name for name in _OPTION_TYPES}
+    options = {name: per_item(getattr(body, name), count, name, is_batch) for name in _PER_ITEM_OPTIONS}
     rids = _rids(body.rid, count, is_batch)
     if field == "text":
         check_text_lengths(prompts, state.limits, field, is_batch)
@@ -75,49 +74,33 @@ async def _build_items(body: GenerateRequest, state: Any) -> tuple[list[dict], b
 
     items: list[dict] = []
     for i, ids in enumerate(ids_list):
-        item_field = f"{field}[{i}]" if is_batch else field
-        options = {name: _logprob_option(values[i], _OPTION_TYPES[name],
-                                         option_field[name].format(i), is_batch)
-                   for name, values in logprob.items()}
-        check_prompt(ids, state.limits, item_field)
-        check_logprob_options(ids, state.limits, item_field, **options)
-        sp = sampling_params(params[i], len(ids), state.limits, params_field.format(i))
-        sp.pop("n", None)
-        for rid, seed in sample_rids_and_seeds(rids[i], sp.get("seed"), ns[i]):
-            items.append(dict(input_ids=ids, sampling_params={**sp, "seed": seed}, rid=rid,
-                              stream=body.stream, **options))
+        names = {name: sent.format(i) for name, sent in sent_as.items()}
+        names["input_ids"] = f"{field}[{i}]" if is_batch else field
+        items += engine_items(state.limits, input_ids=ids, sampling_params=params[i],
+                              rid=uuid.uuid4().hex if rids[i] is None else rids[i], stream=body.stream,
+                              default_max_new_tokens=SamplingParams.max_new_tokens, names=names,
+                              **{name: values[i] for name, values in options.items()})
     return items, is_batch or max(ns) > 1
 
 
 def _n(params: Any, field: str, admission: Any) -> int:
-    """sampling_params.n, checked against --max-n before anything is expanded (the full check of
-    the sampling parameters follows, per prompt)."""
+    """sampling_params.n, bounded by --max-n before anything is expanded. A malformed n counts
+    as 1 here; the engine's validation refuses it, naming the field."""
     n = params.get("n", 1) if isinstance(params, dict) else 1
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise RequestError(f"{field}.n={n!r} must be an int >= 1", f"{field}.n", n)
-    admission.check_n(n, f"{field}.n")
+    if not is_int(n) or n < 1:
+        return 1
+    admission.check_n(n, field + ".n")
     return n
 
 
-_OPTION_TYPES = {"return_logprob": bool, "logprob_start_len": int, "top_logprobs_num": int}
-
-
-def _logprob_option(value: Any, kind: type, field: str, is_batch: bool) -> Any:
-    """One prompt's value of a per-item option, strictly typed (a bool is not an int)."""
-    if isinstance(value, bool) if kind is bool else is_int(value):
-        return value
-    raise RequestError(f"{field} must be {'a bool' if kind is bool else 'an int'}"
-                       + ("" if is_batch else " (a list, one per prompt, only in a batch)"),
-                       field, value)
+_PER_ITEM_OPTIONS = ("return_logprob", "logprob_start_len", "top_logprobs_num")
 
 
 def _rids(rid: Any, n: int, is_batch: bool) -> list[str | None]:
     if rid is None:
         return [None] * n
     if not is_batch:
-        if not isinstance(rid, str) or not rid:
-            raise RequestError("rid must be a non-empty string", "rid", rid)
-        return [rid]
+        return [rid]  # the engine checks it
     if isinstance(rid, str) and rid:  # SGLang: a string is the prefix of per-item ids
         return [f"{rid}_{i}" for i in range(n)]
     if (not isinstance(rid, list) or len(rid) != n

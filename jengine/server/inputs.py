@@ -1,28 +1,25 @@
-"""Request inputs checked against the model before anything reaches the engine.
+"""HTTP request inputs as engine submissions.
 
-The engine validates too (its ValueError becomes a 400 as well); these checks exist so every error
-names the HTTP field the client sent (`input_ids[3]`, `max_tokens`) and its value, and so a batch
-is refused as a whole before any item of it is admitted.
+What is HTTP's own is checked here: the body's shape (`text` | `input_ids`, single or batch, one
+value or one per item), the length of a text before it is tokenized, and the routes'
+max_new_tokens. Everything else is the engine's `validate_request`, called for every item of a
+batch before any is admitted; its `InvalidRequest` becomes a 400 naming the field the client sent
+(`input_ids[3]`, `max_tokens`) and its value.
 """
 
 from __future__ import annotations
 
-import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from jengine.engine.request import SamplingParams, default_seed, derive_sample_seeds
+from jengine.engine.io_struct import RequestLimits, validate_request
+from jengine.engine.request import InvalidRequest, Req
 from jengine.server.errors import RequestError
-
-SAMPLING_KEYS = tuple(SamplingParams.__dataclass_fields__)
 
 
 @dataclass(frozen=True)
 class ModelLimits:
-    context_length: int  # max tokens of prompt + output of one request (engine.max_context)
-    input_vocab_size: int  # prompt token ids must be below this
-    vocab_size: int  # output vocabulary: sampled ids, logprob targets, stop_token_ids
+    request: RequestLimits  # the engine's (engine.request_limits)
     # A text longer than this many characters cannot fit the context however it tokenizes: it is
     # refused before tokenizing (admission.py). None: the tokenizer gives no bound.
     max_text_chars: int | None = None
@@ -42,10 +39,10 @@ def longest_token_chars(tokenizer: Any) -> int | None:
 
 
 def model_limits(engine: Any) -> ModelLimits:
-    mc = engine.model_config
+    request = engine.request_limits
     longest = longest_token_chars(engine.tokenizer)
-    bound = None if longest is None else int(engine.max_context) * longest * TEXT_BOUND_MARGIN
-    return ModelLimits(int(engine.max_context), int(mc.input_vocab_size), int(mc.vocab_size), bound)
+    bound = None if longest is None else request.max_context * longest * TEXT_BOUND_MARGIN
+    return ModelLimits(request, bound)
 
 
 def check_text_lengths(texts: list[str], limits: ModelLimits, field: str, is_batch: bool) -> None:
@@ -57,7 +54,7 @@ def check_text_lengths(texts: list[str], limits: ModelLimits, field: str, is_bat
         if len(text) > limits.max_text_chars:
             name = f"{field}[{i}]" if is_batch else field
             raise RequestError(f"{name} has {len(text)} characters: more than any tokenization of it "
-                               f"fits in the context length {limits.context_length}", name,
+                               f"fits in the context length {limits.request.max_context}", name,
                                f"({len(text)} characters)")
 
 
@@ -94,84 +91,40 @@ def per_item(value: Any, n: int, field: str, is_batch: bool) -> list[Any]:
     return [value] * n
 
 
-def check_prompt(ids: list[int], limits: ModelLimits, field: str) -> None:
-    if not ids:
-        raise RequestError(f"{field} is empty: a prompt needs at least one token", field, ids)
-    for i, t in enumerate(ids):
-        if not _is_int(t) or not 0 <= t < limits.input_vocab_size:
-            raise RequestError(f"{field}[{i}]={t!r} is not a token id in [0, {limits.input_vocab_size})"
-                               " (the model's input vocabulary)", f"{field}[{i}]", t)
-    if len(ids) >= limits.context_length:  # the engine's rule: leave room for one more token
-        raise RequestError(f"{field} has {len(ids)} tokens; the context length is "
-                           f"{limits.context_length} (a prompt must be shorter)", field, len(ids))
+def fit_max_new_tokens(params: dict, req: Req, limits: ModelLimits, default: int) -> int:
+    """The routes' max_new_tokens, for a request the engine has validated. The engine finishes a
+    request at the context length; over HTTP an explicit value that cannot fit is refused instead
+    (OpenAI's max_tokens), and a missing one is the route's default shortened to what fits."""
+    room = limits.request.max_context - req.prompt_len
+    given = params.get("max_new_tokens")
+    if given is not None and given > room:
+        raise InvalidRequest("sampling_params.max_new_tokens", given, "does not fit: the prompt "
+                             f"has {req.prompt_len} tokens and the context length is "
+                             f"{limits.request.max_context} (at most {room} new tokens)")
+    if "max_new_tokens" not in params:
+        return min(default, room)
+    return req.sampling.max_new_tokens  # given, or null: the engine's "up to the context"
 
 
-def check_logprob_options(ids: list[int], limits: ModelLimits, field: str, *, return_logprob: bool,
-                          logprob_start_len: int, top_logprobs_num: int) -> None:
-    """Prompt logprobs score targets ids[max(start, 1):]; each must be an output-vocabulary id."""
-    if not -1 <= logprob_start_len < max(len(ids), 1):
-        raise RequestError(f"logprob_start_len={logprob_start_len} must be -1 (output logprobs "
-                           f"only) or a prompt position in [0, {len(ids)})",
-                           "logprob_start_len", logprob_start_len)
-    if not 0 <= top_logprobs_num <= limits.vocab_size:
-        raise RequestError(f"top_logprobs_num={top_logprobs_num} must be in [0, {limits.vocab_size}]",
-                           "top_logprobs_num", top_logprobs_num)
-    if return_logprob and logprob_start_len >= 0:
-        for i in range(max(logprob_start_len, 1), len(ids)):
-            if ids[i] >= limits.vocab_size:
-                raise RequestError(
-                    f"{field}[{i}]={ids[i]} is scored as a prompt-logprob target but is not in the "
-                    f"output vocabulary [0, {limits.vocab_size})", f"{field}[{i}]", ids[i])
-
-
-def sampling_params(params: Any, prompt_len: int, limits: ModelLimits, field: str,
-                    default_max_new_tokens: int = 128) -> dict:
-    """Validate one sampling_params dict (by the engine's own SamplingParams rules) and fit
-    max_new_tokens to the context: an explicit value that does not fit is an error, the default
-    is shortened to what fits. Errors name `<field>.<key>`, or just `<key>` when field is ""."""
-    prefix = f"{field}." if field else ""
-    if params is None:
-        params = {}
-    if not isinstance(params, dict):
-        raise RequestError(f"{field} must be an object", field, params)
-    for key in params:
-        if key not in SAMPLING_KEYS:
-            raise RequestError(f"{prefix}{key} is not a sampling parameter (known: "
-                               f"{', '.join(SAMPLING_KEYS)})", prefix + key, params[key])
+def engine_items(limits: ModelLimits, *, input_ids: list[int], sampling_params: Any, rid: str,
+                 return_logprob: Any, logprob_start_len: Any, top_logprobs_num: Any, stream: bool,
+                 default_max_new_tokens: int, names: dict[str, str]) -> list[dict]:
+    """One prompt as engine submissions, one per sample (n > 1: the engine's own rids and seeds),
+    validated by the engine's `validate_request`. Its refusal becomes a 400 naming the field the
+    client sent: `names` maps engine field paths to the route's (see `RequestError.from_invalid`)."""
+    params = {} if sampling_params is None else sampling_params
+    if isinstance(params, dict) and "max_new_tokens" not in params:
+        params = {**params, "max_new_tokens": None}  # validated as "up to the context", then fitted
     try:
-        SamplingParams.from_dict(params)
-    except ValueError as exc:  # the engine's message: "sampling_params.<key>=<value>: why"
-        match = re.match(r"sampling_params\.(\w+)=", str(exc))
-        key = match.group(1) if match else None
-        raise RequestError(str(exc).replace("sampling_params.", prefix, 1),
-                           prefix + key if key else field, params.get(key, params)) from None
-    room = limits.context_length - prompt_len
-    out = dict(params)
-    if "max_new_tokens" in params and params["max_new_tokens"] is None:
-        out["max_new_tokens"] = room  # null: up to the context length (the engine's meaning)
-    elif "max_new_tokens" in params:
-        if params["max_new_tokens"] > room:
-            raise RequestError(
-                f"{prefix}max_new_tokens={params['max_new_tokens']} does not fit: the prompt has "
-                f"{prompt_len} tokens and the context length is {limits.context_length} "
-                f"(at most {room} new tokens)", prefix + "max_new_tokens", params["max_new_tokens"])
-    else:
-        out["max_new_tokens"] = min(default_max_new_tokens, room)
-    for i, t in enumerate(out.get("stop_token_ids") or ()):
-        if t >= limits.vocab_size:
-            raise RequestError(f"{prefix}stop_token_ids[{i}]={t} is not in the output vocabulary "
-                               f"[0, {limits.vocab_size})", f"{prefix}stop_token_ids[{i}]", t)
-    return out
-
-
-def sample_rids_and_seeds(rid: str | None, seed: int | None,
-                          n: int) -> list[tuple[str | None, int | None]]:
-    """(rid, seed) of each of n samples of one prompt. n == 1 keeps the request as sent. For n > 1
-    each sample gets its own rid (`<rid>-<j>`) and a distinct seed derived, as the engine does,
-    from the request's seed (or, without one, from crc32 of its rid): the n samples differ, and
-    the same request reproduces them."""
-    if n == 1:
-        return [(rid, seed)]
-    rid = rid or uuid.uuid4().hex
-    base = seed if seed is not None else default_seed(rid)
-    return [(f"{rid}-{j}", s) for j, s in enumerate(derive_sample_seeds(base, n))]
+        reqs = validate_request(limits.request, input_ids=input_ids, sampling_params=params,
+                                return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                                top_logprobs_num=top_logprobs_num, rid=rid)
+        max_new_tokens = fit_max_new_tokens(sampling_params or {}, reqs[0], limits,
+                                            default_max_new_tokens)
+    except InvalidRequest as exc:
+        raise RequestError.from_invalid(exc, names) from None
+    return [dict(input_ids=input_ids, rid=req.rid, stream=stream, return_logprob=return_logprob,
+                 logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+                 sampling_params={**req.sampling.to_dict(), "max_new_tokens": max_new_tokens,
+                                  "seed": req.seed, "n": 1})
+            for req in reqs]

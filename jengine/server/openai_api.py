@@ -26,8 +26,7 @@ from jengine.server.errors import RequestError
 from jengine.server.generate_api import merge_updates
 from jengine.server.http_utils import (SSE_DONE, JSONResponse, SSEResponse, sse_event,
                                        unless_disconnected)
-from jengine.server.inputs import (check_prompt, check_text_lengths, prompt_batch,
-                                   sample_rids_and_seeds, sampling_params)
+from jengine.server.inputs import check_text_lengths, engine_items, prompt_batch
 from jengine.server.protocol import (ChatCompletionRequest, CompletionRequest, _OpenAIBase,
                                      parse_body)
 
@@ -63,26 +62,26 @@ def _sampling(body: _OpenAIBase, max_tokens: int | None) -> dict:
     return params
 
 
-async def _submit(state: Any, prompts: list[list[int]], params: dict, body: _OpenAIBase, *,
-                  max_tokens_name: str, return_logprob: bool, logprob_start_len: int,
-                  top_logprobs_num: int, default_max: int | None) -> tuple[str, list]:
-    """Check and submit n samples of every prompt; choice i*n + j is sample j of prompt i."""
-    request_id = uuid.uuid4().hex
+def _engine_items(state: Any, prompts: list[list[int]], prompt_field: str, params: dict,
+                  body: _OpenAIBase, request_id: str, *, max_tokens_name: str, return_logprob: bool,
+                  logprob_start_len: int, top_logprobs_num: int, logprobs_name: str,
+                  default_max: int | None) -> list[dict]:
+    """Every prompt's n samples as engine submissions, all validated before any is submitted;
+    choice i*n + j is sample j of prompt i."""
     items = []
     for i, ids in enumerate(prompts):
-        try:
-            sp = sampling_params(params, len(ids), state.limits, "",
-                                 default_max_new_tokens=default_max or state.limits.context_length)
-        except RequestError as err:
-            raise err.renamed({"max_new_tokens": max_tokens_name}) from None
         base_rid = body.rid or request_id
         if len(prompts) > 1:
             base_rid = f"{base_rid}-{i}"
-        for rid, seed in sample_rids_and_seeds(base_rid, sp.get("seed"), body.n):
-            items.append(dict(input_ids=ids, sampling_params={**sp, "seed": seed}, rid=rid,
-                              return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                              top_logprobs_num=top_logprobs_num, stream=body.stream))
-    return request_id, await state.aengine.submit_all(items)
+        names = {"input_ids": f"{prompt_field}[{i}]" if len(prompts) > 1 else prompt_field,
+                 "sampling_params.max_new_tokens": max_tokens_name, "sampling_params": "",
+                 "top_logprobs_num": logprobs_name, "return_logprob": "logprobs"}
+        items += engine_items(state.limits, input_ids=ids, sampling_params={**params, "n": body.n},
+                              rid=base_rid, return_logprob=return_logprob,
+                              logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+                              stream=body.stream, names=names, default_max_new_tokens=(
+                                  default_max or state.limits.request.max_context))
+    return items
 
 
 def _usage(prompts: list[list[int]], finals: list[dict]) -> dict:
@@ -119,16 +118,17 @@ async def completions(request: Request) -> Response:
     if field == "text":
         check_text_lengths(prompts, state.limits, "prompt", len(prompts) > 1)
     prompt_ids = await state.aengine.encode(prompts) if field == "text" else prompts
-    for i, ids in enumerate(prompt_ids):
-        check_prompt(ids, state.limits, f"prompt[{i}]" if len(prompt_ids) > 1 else "prompt")
+    request_id = uuid.uuid4().hex
+    items = _engine_items(
+        state, prompt_ids, "prompt", _sampling(body, body.max_tokens), body, request_id,
+        max_tokens_name="max_tokens", return_logprob=k is not None,
+        logprob_start_len=0 if (body.echo and k is not None) else -1, top_logprobs_num=k or 0,
+        logprobs_name="logprobs", default_max=16)
     echo_texts = prompts if field == "text" or not body.echo else await state.aengine.run_blocking(
         lambda: [state.engine.tokenizer.decode(ids) for ids in prompt_ids])
 
     created = int(time.time())
-    request_id, handles = await _submit(
-        state, prompt_ids, _sampling(body, body.max_tokens), body, max_tokens_name="max_tokens",
-        return_logprob=k is not None, logprob_start_len=0 if (body.echo and k is not None) else -1,
-        top_logprobs_num=k or 0, default_max=16)
+    handles = await state.aengine.submit_all(items)
     head = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created,
             "model": state.model_name}
     prompt_of = [i // body.n for i in range(len(handles))]
@@ -237,12 +237,13 @@ async def chat_completions(request: Request) -> Response:
 
     state.admission.check_fanout(1, body.n, "n")
     ids = await _chat_prompt_ids(body, state)
-    check_prompt(ids, state.limits, "messages")
+    request_id = uuid.uuid4().hex
+    items = _engine_items(state, [ids], "messages", _sampling(body, max_tokens), body, request_id,
+                          max_tokens_name=max_name, return_logprob=body.logprobs,
+                          logprob_start_len=-1, top_logprobs_num=k or 0,
+                          logprobs_name="top_logprobs", default_max=None)
     created = int(time.time())
-    request_id, handles = await _submit(
-        state, [ids], _sampling(body, max_tokens), body, max_tokens_name=max_name,
-        return_logprob=body.logprobs, logprob_start_len=-1, top_logprobs_num=k or 0,
-        default_max=None)
+    handles = await state.aengine.submit_all(items)
     head = {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk" if body.stream
             else "chat.completion", "created": created, "model": state.model_name}
     if body.stream:

@@ -1,0 +1,175 @@
+"""Every accepted launch option is real (issue #15, item 9): each LaunchConfig field, set to a
+value other than its default, either changes something observable or is refused with the reason.
+
+The walk iterates dataclasses.fields(LaunchConfig), so an option added without an entry in
+`PROBES` fails here. Each probe is cheap: the resolved launch, the XLA flags, the scheduler of an
+engine over a fake runner, a ModelRunner of the tiny model (no compile), or the server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+from starlette.testclient import TestClient
+
+from jengine.config import LaunchConfig, LaunchRefusal
+from jengine.numerics import SWITCHES, resolve_launch
+from jengine.server.app import create_app
+from tests.test_engine_scheduler import make_engine
+from tests.test_server_unit import FakeEngine
+
+
+def _resolved(hardware="gpu", **kw):
+    return resolve_launch(LaunchConfig(**kw), hardware=hardware, probe_xla_flags=False)
+
+
+def _switch(value, name, tiny):
+    return getattr(_resolved(**{name: value}).config, name)
+
+
+def _xla_flags(value, name, tiny):
+    return _resolved(**{name: value}).xla_flags
+
+
+def _scheduler(value, name, tiny):
+    with make_engine(**{name: value}) as eng:
+        return dataclasses.asdict(eng.scheduler.cfg)
+
+
+def _logit_calls(value, name, tiny):
+    """How many logits computations a 20-token prompt scored with logprobs takes."""
+    with make_engine(**{name: value}) as eng:
+        calls = []
+        compute = eng.runner.compute_logits
+        eng.runner.compute_logits = lambda hidden: calls.append(len(hidden)) or compute(hidden)
+        eng.generate(input_ids=list(range(1, 21)), sampling_params={"max_new_tokens": 0},
+                     return_logprob=True, logprob_start_len=0)
+        return len(calls)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from jengine.models import load_model
+
+    return load_model("tiny")
+
+
+def _runner(attr):
+    def probe(value, name, tiny):
+        from jengine.engine.model_runner import ModelRunner
+
+        return getattr(ModelRunner(tiny, _resolved("cpu", **{name: value})), attr)
+    return probe
+
+
+def _server_app(value, name, tiny):
+    """/v1/models and auth of an app built from the launch, as `jengine serve` builds it."""
+    cfg = LaunchConfig(**{name: value})
+    eng = FakeEngine()
+    eng.resolved.config = cfg
+    with TestClient(create_app(eng, api_key=cfg.api_key)) as c:
+        r = c.get("/v1/models")
+        return r.status_code, r.json()
+
+
+def _serve_argv(value, name, tiny):
+    """What `jengine serve --<flag> <value>` hands uvicorn (host, port)."""
+    from jengine.config import launch_config_from_args
+    from jengine.server.cli import build_parser
+
+    cfg = launch_config_from_args(build_parser().parse_args([f"--{name.replace('_', '-')}",
+                                                             str(value)]))
+    return cfg.host, cfg.port
+
+
+def _engine_logger(value, name, tiny):
+    from jengine.engine.engine import Engine
+
+    logger = logging.getLogger("jengine")
+    before = logger.level
+    try:
+        with Engine(model_path="tiny", skip_warmup=True, **{name: value}):
+            return logger.getEffectiveLevel()
+    finally:
+        logger.setLevel(before)
+
+
+def _warmup_runs(value, name, tiny):
+    from jengine.engine.engine import Engine
+    from jengine.engine.model_runner import ModelRunner
+
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ModelRunner, "warmup", lambda self: calls.append(1) or 0.0)
+        with Engine(model_path="tiny", **{name: value}):
+            return len(calls)
+
+
+def _model_loaded(value, name, tiny):
+    from jengine.engine.engine import Engine
+
+    try:
+        with Engine(skip_warmup=True, **{name: value}) as eng:
+            return eng.server_info()["model_dir"]
+    except Exception as exc:  # the path is read: the error names what is missing
+        assert value in str(exc), exc
+        return str(exc)
+
+
+REFUSED = "refused"
+# field -> (a non-default value, how it shows: probe(value, name, tiny) -> what is compared).
+PROBES = {
+    "model_path": ("/nonexistent/model", _model_loaded),
+    "dtype": ("float32", _runner("dtype")),
+    "context_length": (64, _runner("max_context")),
+    "numerics": ("rl-bitwise", lambda v, name, tiny: _resolved(numerics=v).bitwise),
+    **{name: (value, _switch) for name, value in {
+        "sampling_stream": "batch", "logprob_order": "blockwise",
+        "layer_boundary_norm": "unfused", "router_topk": "torch", "moe_combine_order": "slot",
+        "dsa_slot_order": "selection", "yarn_ramp_mask_device": "cpu",
+        "yarn_frequency_device": "cpu", "mla_lora_scale": "runtime", "moe_backend": "portable",
+        "sampling_backend": "portable", "attention_backend": "portable",
+        "batch_invariant_collectives": True, "force_deterministic_rsag": True,
+        "tp_batch_invariant": "attn", "enable_eplb": True}.items()},
+    "disable_autotune": (True, _xla_flags),
+    "deterministic_ops": (True, _xla_flags),
+    "quantization": ("fp8", REFUSED),
+    "tp_size": (2, REFUSED),
+    "dp_size": (2, REFUSED),
+    "ep_size": (2, REFUSED),
+    "moe_tp_size": (2, REFUSED),
+    "page_size": (8, _runner("page_size")),
+    "max_total_tokens": (256, _runner("num_pages")),
+    "chunked_prefill_size": (4, _scheduler),
+    "max_prefill_tokens": (16, _scheduler),
+    "max_running_requests": (2, _scheduler),
+    "input_logprob_chunk_tokens": (2, _logit_calls),
+    "disable_radix_cache": (True, _scheduler),
+    "debug_force_retraction_interval": (3, _scheduler),
+    "skip_warmup": (True, _warmup_runs),
+    "host": ("0.0.0.0", _serve_argv),
+    "port": (8080, _serve_argv),
+    "api_key": ("sekret", _server_app),
+    "served_model_name": ("my-model", _server_app),
+    "log_level": ("warning", _engine_logger),
+}
+
+
+def test_every_option_has_a_probe():
+    assert sorted(PROBES) == sorted(f.name for f in dataclasses.fields(LaunchConfig))
+    assert set(SWITCHES) <= set(PROBES)
+
+
+@pytest.mark.parametrize("field", [f for f in dataclasses.fields(LaunchConfig)], ids=lambda f: f.name)
+def test_each_option_changes_behaviour_or_is_refused(field, tiny):
+    value, probe = PROBES[field.name]
+    assert value != field.default, field.name
+    if probe is REFUSED:
+        flag = "--" + field.name.replace("_", "-")
+        with pytest.raises(LaunchRefusal, match=rf"^{flag} {value}: "):  # names flag and value
+            _resolved(**{field.name: value})
+        return
+    changed, default = probe(value, field.name, tiny), probe(field.default, field.name, tiny)
+    assert changed != default, (field.name, changed)
