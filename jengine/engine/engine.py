@@ -29,7 +29,7 @@ from typing import Any, Callable
 from jengine.config import LaunchConfig, launch_config_from_kwargs
 from jengine.engine.io_struct import RequestHandle, expand_request, normalize_generate_args
 from jengine.engine.kv_manager import KVManager
-from jengine.engine.logits_processor import SegmentResult, compute_step_outputs
+from jengine.engine.step_executor import SegmentResult, execute_step
 from jengine.engine.output_processor import OutputProcessor, RequestState, StepOutput
 from jengine.engine.request import Req
 from jengine.engine.scheduler import Scheduler, SchedulerConfig, Segment
@@ -355,8 +355,8 @@ class Engine:
         if step is None:
             return
         try:
-            results = compute_step_outputs(self.runner, self.sampler, step,
-                                           self.config.input_logprob_chunk_tokens)
+            results = execute_step(self.runner, self.sampler, step,
+                                   self.config.input_logprob_chunk_tokens)
         except Exception as exc:
             logger.exception("step failed; aborting its %d request(s)", len(step.segments))
             for seg in step.segments:

@@ -1,4 +1,5 @@
-"""From a step's hidden rows to tokens and logprobs (SGLang's LogitsProcessor + sampler call).
+"""The step executor: runs one scheduled step on the runner and turns its hidden rows into tokens
+and logprobs (SGLang's forward + LogitsProcessor + sampler call).
 
 Sampling rows: one `runner.logits_at` over all of them, then `sampler.sample` keyed by each
 request's (seed, absolute position of the new token), and the sampled token's logprob through
@@ -27,8 +28,8 @@ class SegmentResult:
     token_top: tuple[np.ndarray, np.ndarray] | None = None
 
 
-def compute_step_outputs(runner: Any, sampler: Any, step: ScheduledStep,
-                         input_logprob_chunk_tokens: int) -> dict[int, SegmentResult]:
+def execute_step(runner: Any, sampler: Any, step: ScheduledStep,
+                 input_logprob_chunk_tokens: int) -> dict[int, SegmentResult]:
     results = {id(seg): SegmentResult() for seg in step.segments}
     # The step's whole padded bucket of hidden states; `logits_at` gathers rows inside its jitted
     # program, so no small program is compiled per count of sampled or scored rows.
