@@ -3,7 +3,9 @@
 Requests are validated synchronously in the caller's thread (bad input raises ValueError naming the
 field and value, and nothing is queued); the engine loop runs in a background thread. Each step:
 
-    scheduler.schedule() -> StepBatch -> runner.forward -> hidden rows
+    scheduler.schedule() -> ScheduledStep (KV page transfers + StepBatch), run by step_executor:
+      runner.execute_kv_transfers (copy-on-write, retraction saves, restores, in order)
+      -> runner.forward -> hidden rows
       sampling rows:   runner.compute_logits -> sampler.sample / token_logprobs / top_logprobs
       prompt rows:     runner.compute_logits in chunks of --input-logprob-chunk-tokens rows
                        -> sampler.token_logprobs (the ONE logprob function, spec "Logprobs")
@@ -103,7 +105,7 @@ class Engine:
             max_running_requests=config.max_running_requests,
             enable_prefix_cache=not config.disable_radix_cache,
             debug_force_retraction_interval=config.debug_force_retraction_interval,
-        ), self.kv, runner)
+        ), self.kv)
         logger.info("KV pool: %d pages x %d tokens = %d tokens; context %d", self.kv.capacity_pages,
                     self.kv.page_size, self.kv.capacity_pages * self.kv.page_size, self.max_context)
 
@@ -352,8 +354,6 @@ class Engine:
             for req in self.scheduler.finished_by_scheduler:
                 self._emit(req)
             self.scheduler.finished_by_scheduler.clear()
-        if step is None:
-            return
         try:
             results = execute_step(self.runner, self.sampler, step,
                                    self.config.input_logprob_chunk_tokens)
@@ -361,7 +361,13 @@ class Engine:
             logger.exception("step failed; aborting its %d request(s)", len(step.segments))
             for seg in step.segments:
                 self._fail(seg.req, f"step failed: {exc!r}")
+            # A retracted request whose save did not run has no bytes to resume from.
+            for req in list(self.scheduler.waiting):
+                if req.image is not None and not req.image.saved:
+                    self._fail(req, f"step failed before its KV was saved: {exc!r}")
             return
+        if step.batch is None:
+            return  # page transfers only: no forward to time
         for seg in step.segments:
             if seg.req.finished:
                 continue  # defensive: commands (abort, finish) only run between steps
