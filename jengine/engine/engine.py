@@ -434,6 +434,6 @@ def _enable_compilation_cache() -> None:
 
     if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
         return
-    from jengine.models.tiny import tiny_cache_root
+    from jengine.cache import cache_root
 
-    jax.config.update("jax_compilation_cache_dir", str(tiny_cache_root() / "jax"))
+    jax.config.update("jax_compilation_cache_dir", str(cache_root() / "jax"))
