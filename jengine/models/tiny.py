@@ -30,11 +30,12 @@ from pathlib import Path
 import numpy as np
 
 from jengine.cache import cache_root as jengine_cache_root
+from jengine.logprob_orders import BLOCKWISE_VOCAB_BLOCK
 
 TINY_NAME = "tiny"
 TINY_VERSION = "tiny-v1"
 
-VOCAB_SIZE = 32768  # the rl-bitwise vocabulary block; input == output
+VOCAB_SIZE = BLOCKWISE_VOCAB_BLOCK  # one rl-bitwise vocabulary block; input == output
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 
 CHAT_TEMPLATE = (
