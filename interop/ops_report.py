@@ -21,6 +21,8 @@ from typing import Callable
 
 import numpy as np
 
+from jengine.logprob_orders import BLOCKWISE_VOCAB_BLOCK
+
 F32_OPS = ("exp", "log", "rsqrt", "sqrt", "tanh", "sigmoid", "cos", "sin", "pow")
 
 
@@ -144,7 +146,8 @@ def build_rows(device: str = "cpu", seed: int = 0, elementwise_size: int = 1 << 
     # -- log-softmax: the engine's blockwise form vs torch's log_softmax ----------------------
     logits = (rng.standard_normal((16, 65536)) * 3).astype(np.float32)
     block_plan = plan("sampling", "block_sumexp", formats={"f32"}, hardware=hardware,
-                      features={"batch_invariant"}, geometry={"vocab_size": 65536, "block_size": 32768})
+                      features={"batch_invariant"},
+                      geometry={"vocab_size": 65536, "block_size": BLOCKWISE_VOCAB_BLOCK})
     engine = jax.jit(lambda x: _finish(*_row_logprobs(x, "blockwise", block_plan)))(jnp.asarray(logits))
     add("log_softmax (blockwise)", logits.shape, "f32", engine, torch.log_softmax(t(logits), -1),
         None, "trainer side: interop.trainer_logprobs")

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-VOCAB_SIZE = 32768
+from jengine.logprob_orders import BLOCKWISE_VOCAB_BLOCK
+
+VOCAB_SIZE = BLOCKWISE_VOCAB_BLOCK
 
 # Per family: what differs (qkv bias, qk-norm, tied head, rope theta).
 FAMILY_CONFIGS = {

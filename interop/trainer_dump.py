@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jengine.logprob_orders import BLOCKWISE_VOCAB_BLOCK, LOGPROB_BLOCK_WIDTHS
+
 logger = logging.getLogger("interop.trainer_dump")
 
 
@@ -166,7 +168,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--logprob-form", default="neg-ce", choices=("neg-ce", "direct"),
                    help="neg-ce: -(lse - target), -0.0 for a certain token (engine --logprob-order "
                         "blockwise); direct: target - lse (blockwise-direct)")
-    p.add_argument("--block-size", type=int, default=32768, choices=(32768, 16384),
+    p.add_argument("--block-size", type=int, default=BLOCKWISE_VOCAB_BLOCK, choices=LOGPROB_BLOCK_WIDTHS,
                    help="vocab shard width of the trainer's log-softmax fold")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--record-logits", type=int, default=8, help="store logits of the first N "

@@ -19,19 +19,21 @@ from __future__ import annotations
 import torch
 
 from interop.twins import TwinTable, plan_twin_table
+from jengine.logprob_orders import BLOCKWISE_VOCAB_BLOCK, LOGPROB_BLOCK_WIDTHS, LOGPROB_ORDERS
 
-LOGPROB_FORMS = {"neg-ce": "blockwise", "direct": "blockwise-direct"}
-DEFAULT_BLOCK = 32768
+LOGPROB_FORMS = {"neg-ce": True, "direct": False}  # form -> the engine order's negated form?
+DEFAULT_BLOCK = BLOCKWISE_VOCAB_BLOCK
 
 
 def logprob_order_for(form: str, block_size: int = DEFAULT_BLOCK) -> str:
     """The engine ``--logprob-order`` that reproduces a trainer ``form`` at ``block_size``."""
     if form not in LOGPROB_FORMS:
         raise ValueError(f"--logprob-form={form!r} is not one of {list(LOGPROB_FORMS)}")
-    if block_size not in (32768, 16384):
-        raise ValueError(f"block_size={block_size} must be 32768 or 16384 (the engine's orders)")
-    order = LOGPROB_FORMS[form]
-    return order if block_size == 32768 else f"{order}-16384"
+    if block_size not in LOGPROB_BLOCK_WIDTHS:
+        raise ValueError(f"block_size={block_size} must be one of {list(LOGPROB_BLOCK_WIDTHS)} "
+                         "(the engine's orders)")
+    return next(order for order, (width, negated) in LOGPROB_ORDERS.items()
+                if width == block_size and negated == LOGPROB_FORMS[form])
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, form: str = "neg-ce",

@@ -12,18 +12,14 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from jengine.logprob_orders import LOGPROB_ORDERS
+
 # Closed sets of every switch. The spec names the CUDA-engine values; where the choice is "host vs
 # accelerator" jengine says "device" instead of "cuda" (docs/numerics.md has the mapping).
 CHOICES: dict[str, tuple[str, ...]] = {
     "numerics": ("auto", "rl-bitwise"),  # plugins may add more (jengine.numerics.register_numerics_envelope)
     "sampling_stream": ("batch", "per-request"),
-    "logprob_order": (
-        "torch",
-        "blockwise",
-        "blockwise-direct",
-        "blockwise-16384",
-        "blockwise-direct-16384",
-    ),
+    "logprob_order": tuple(LOGPROB_ORDERS),
     "layer_boundary_norm": ("fused", "unfused"),
     "router_topk": ("auto", "torch"),
     "moe_combine_order": ("rank", "slot"),

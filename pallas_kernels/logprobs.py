@@ -35,6 +35,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jengine.logprob_orders import LOGPROB_ORDERS
 from pallas_kernels._twin import torch_twin
 from pallas_kernels.registry import KernelPlan, Priority, declare_family, register
 
@@ -44,17 +45,6 @@ def _block_sumexp_signature(shifted, *, block_size):
 
 
 declare_family("sampling", "block_sumexp", _block_sumexp_signature)
-
-BLOCKWISE_VOCAB_BLOCK = 32768
-
-# order -> (block width or None for the whole row, negated form?)
-LOGPROB_ORDERS: dict[str, tuple[int | None, bool]] = {
-    "torch": (None, False),
-    "blockwise": (BLOCKWISE_VOCAB_BLOCK, True),
-    "blockwise-direct": (BLOCKWISE_VOCAB_BLOCK, False),
-    "blockwise-16384": (16384, True),
-    "blockwise-direct-16384": (16384, False),
-}
 
 
 # -- fixed-order building blocks (row-local elementwise work only) --------------------------------

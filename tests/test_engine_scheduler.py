@@ -10,21 +10,27 @@ greedy tokens. The reference (`reference_greedy`) computes the same chain with n
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from jengine.config import LaunchConfig
-from jengine.engine.batch import NULL_PAGE
+from jengine.engine.batch import NULL_PAGE, PageCopy, PageRestore, PageSave
 from jengine.engine.engine import Engine
 from jengine.engine.kv_manager import KVManager
+from jengine.engine.model_runner import ModelRunner
 from jengine.engine.prefix_cache import PrefixCache
 from jengine.engine.io_struct import visible_text
 from jengine.engine.output_processor import RequestState
-from jengine.engine.request import Req, SamplingParams, derive_sample_seeds
+from jengine.engine.request import Req, RetractionImage, SamplingParams, derive_sample_seeds
+from jengine.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from jengine.engine.step_executor import execute_step
 
 VOCAB = 32
 MASK = (1 << 64) - 1
@@ -105,6 +111,9 @@ class FakeRunner:
 
     def write_pages(self, pages, data):
         self.kv[pages] = data
+
+    # The real runner's dispatch of the scheduler's page commands, over this fake's pages.
+    execute_kv_transfers = ModelRunner.execute_kv_transfers
 
 
 class FakeSampler:
@@ -318,6 +327,102 @@ def test_prompt_logprobs_recomputed_under_a_prefix_hit():
         # Output logprobs use the same function as prompt logprobs.
         (lp, tok, _), = out6["meta_info"]["output_token_logprobs"]
         assert lp == float(log_softmax(fake_logits(hidden[-1]))[tok])
+
+
+# -- the scheduler is device-free: its page moves are commands the runner executes in order ----------
+class RecordingRunner(FakeRunner):
+    """Logs each page operation and forward, in the order the runner performs them."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.log = []
+
+    def forward_padded(self, batch):
+        self.log.append(("forward",))
+        return super().forward_padded(batch)
+
+    def copy_pages(self, src, dst):
+        self.log.append(("copy", list(src), list(dst)))
+        super().copy_pages(src, dst)
+
+    def read_pages(self, pages):
+        self.log.append(("read", list(pages)))
+        return super().read_pages(pages)
+
+    def write_pages(self, pages, data):
+        self.log.append(("write", list(pages)))
+        super().write_pages(pages, data)
+
+
+def run_one_step(sched, runner):
+    """The engine's step without its thread: schedule, execute, commit, append the sampled tokens."""
+    step = sched.schedule()
+    results = execute_step(runner, FakeSampler(), step, input_logprob_chunk_tokens=64)
+    for seg in step.segments:
+        sched.commit(seg)
+        if seg.sample:
+            seg.req.append_token(results[id(seg)].token, eos_token_ids=frozenset(), max_context=64)
+            if seg.req.finished:
+                sched.finish(seg.req)
+    return step
+
+
+def test_retraction_and_resume_are_page_commands_run_in_order():
+    runner = RecordingRunner(num_pages=5)  # 4 pages of 4 tokens: two 8-token prompts fill the pool
+    sched = Scheduler(SchedulerConfig(page_size=4, max_context=64, chunked_prefill_size=16,
+                                      max_prefill_tokens=16, enable_prefix_cache=False,
+                                      debug_force_retraction_interval=2), KVManager(5, 4))
+    a, b = reqs = [Req(rid=r, prompt_ids=p, seed=0, sampling=SamplingParams(max_new_tokens=3, temperature=0))
+                   for r, p in (("a", list(range(1, 9))), ("b", list(range(9, 17))))]
+    for req in reqs:
+        sched.add_request(req)
+    assert run_one_step(sched, runner).kv_transfers == []  # both prompts prefill
+    assert (a.pages, b.pages) == ([1, 2], [3, 4])
+    before = {req.rid: runner.kv[req.pages].copy() for req in reqs}
+    runner.log.clear()
+
+    # Step 2 retracts both (forced), then resumes a at once -- into b's freed pages 3 and 4, so b's
+    # save must run before a's restore, and both before the forward.
+    step = run_one_step(sched, runner)
+    save_b, save_a, restore_a = step.kv_transfers
+    assert (type(save_b), type(save_a), type(restore_a)) == (PageSave, PageSave, PageRestore)
+    assert (save_b.pages, save_a.pages, restore_a.pages) == ((3, 4), (1, 2), (3, 4))
+    assert restore_a.image is save_a.image
+    assert runner.log == [("read", [3, 4]), ("read", [1, 2]), ("write", [3, 4]), ("forward",)]
+    assert np.array_equal(save_a.image.kv, before["a"]) and np.array_equal(save_b.image.kv, before["b"])
+    assert np.array_equal(runner.kv[[3, 4]], before["a"])  # the restore wrote the saved bytes back
+
+    for _ in range(10):
+        if not sched.has_work():
+            break
+        run_one_step(sched, runner)
+    assert ("write", [2, 3]) in runner.log  # b resumed later, into other fresh pages
+    assert [req.output_ids for req in reqs] == [reference_greedy(req.prompt_ids, 3) for req in reqs]
+    assert runner.null_reads == 0 and sched.kv.num_used == 0
+    sched.kv.check_consistent()
+
+
+def test_page_transfers_run_even_when_the_step_has_no_forward():
+    runner = RecordingRunner()
+    runner.kv[5] = np.arange(4, dtype=np.uint64) + 7
+    image = RetractionImage(num_pages=1, num_computed=3)
+    assert not image.saved  # the scheduler creates it; only the runner fills it
+    assert execute_step(runner, FakeSampler(), ScheduledStep([PageSave((5,), image)]), 64) == {}
+    assert runner.log == [("read", [5])] and image.saved
+    assert np.array_equal(image.kv, runner.kv[[5]])
+    with pytest.raises(RuntimeError, match=r"restore into pages \[6\]: its image was never saved"):
+        runner.execute_kv_transfers([PageRestore((6,), RetractionImage(num_pages=1, num_computed=3))])
+
+
+def test_scheduler_imports_no_device_library():
+    probe = ("import sys, {module}; print(sorted(m for m in ('jax', 'jaxlib', 'torch', 'triton') "
+             "if m in sys.modules))")
+    code = "; ".join([probe.format(module="jengine.engine.scheduler"),
+                      probe.format(module="jengine.engine.model_runner")])  # the control: it does
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout.split("\n")
+    assert out[0] == "[]"
+    assert "jax" in out[1]
 
 
 # -- sampling streams ---------------------------------------------------------------------------------

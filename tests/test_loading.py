@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jengine.cache import cache_root
 from jengine.models import LoadedModel, ModelConfig, load_model
 from jengine.models import tiny
 from jengine.models.config import SUPPORTED_ARCHITECTURES
@@ -395,10 +396,10 @@ def test_tiny_by_name_uses_the_cache_dir(tmp_path, monkeypatch):
 
     monkeypatch.delenv("JENGINE_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert tiny.tiny_cache_root() == tmp_path / "xdg" / "jengine"
+    assert cache_root() == tmp_path / "xdg" / "jengine"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert tiny.tiny_cache_root() == tmp_path / "home" / ".cache" / "jengine"
+    assert cache_root() == tmp_path / "home" / ".cache" / "jengine"
 
 
 def test_tiny_concurrent_first_use(tmp_path):

@@ -16,6 +16,7 @@ import pytest
 
 from jengine.engine.batch import SamplingRows
 from jengine.engine.sampler import Sampler, row_bucket
+from jengine.logprob_orders import LOGPROB_BLOCK_WIDTHS
 from tests.bits import numpy_halving_tree, shifted_logits_and_completed
 from pallas_kernels.logprobs import (
     LOGPROB_ORDERS, block_sumexp_fixed_tree, block_sumexp_xla_native, gather_token_logprobs,
@@ -197,6 +198,15 @@ def test_unknown_orders_and_bad_vocab_are_refused(logits, token_ids, invariant_p
     assert logprob_block_width("blockwise", 49152) == 32768  # any vocabulary (last block completed)
     assert logprob_block_width("blockwise-16384", 1001) == 16384
     assert logprob_block_width("torch", 1001) == 1001
+
+
+def test_trainer_forms_and_widths_name_every_blockwise_order_once():
+    from interop.trainer_logprobs import LOGPROB_FORMS, logprob_order_for
+
+    named = [logprob_order_for(form, width) for form in LOGPROB_FORMS for width in LOGPROB_BLOCK_WIDTHS]
+    assert sorted(named) == sorted(o for o, (width, _) in LOGPROB_ORDERS.items() if width is not None)
+    with pytest.raises(ValueError, match=r"block_size=8192 must be one of \[32768, 16384\]"):
+        logprob_order_for("neg-ce", 8192)
 
 
 # -- any vocabulary size: the last block completed with -inf logits ---------------------------------

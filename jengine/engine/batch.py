@@ -1,4 +1,5 @@
-"""What crosses from the scheduler to the jitted step: a flat ragged batch of token rows.
+"""What crosses from the scheduler to the runner: the step's KV page transfers and a flat ragged
+batch of token rows.
 
 The model never sees requests, only rows. Every value computed for a row depends on that row's
 token, position and its request's KV pages, never on which other rows share the step: that is the
@@ -12,8 +13,12 @@ dropped (jengine/models/dense.py) and nothing real is ever read from it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from jengine.engine.request import RetractionImage
 
 NULL_PAGE = 0
 
@@ -57,3 +62,37 @@ class SamplingRows:
     min_p: np.ndarray  # f32[S]; 0 = off
     seed: np.ndarray  # uint32[S]: explicit seed, else crc32(rid)
     position: np.ndarray  # int32[S]: absolute position of the token being sampled
+
+
+# -- KV page transfers ------------------------------------------------------------------------------
+# The scheduler decides page moves but owns no device: it emits them as commands, and the runner
+# executes a step's commands in the order they were emitted, before the step's forward. Order
+# matters: a page a retraction frees may be handed to another request within the same schedule(),
+# and that request's restore or copy-on-write must land after the save has read the old bytes.
+
+
+@dataclass(frozen=True)
+class PageCopy:
+    """Prefix-cache copy-on-write: copy the bytes of pages `src` into pages `dst`."""
+
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PageSave:
+    """Retraction: copy pages out to host bytes, stored as `image.kv` (an exact byte copy)."""
+
+    pages: tuple[int, ...]
+    image: "RetractionImage"
+
+
+@dataclass(frozen=True)
+class PageRestore:
+    """Resume: write `image.kv` (filled by an earlier PageSave) into freshly allocated pages."""
+
+    pages: tuple[int, ...]
+    image: "RetractionImage"
+
+
+KVTransfer = Union[PageCopy, PageSave, PageRestore]

@@ -3,7 +3,9 @@
 Requests are validated synchronously in the caller's thread (bad input raises `InvalidRequest`, a
 ValueError naming the field and value, and nothing is queued); the engine loop runs in a background thread. Each step:
 
-    scheduler.schedule() -> StepBatch -> runner.forward -> hidden rows
+    scheduler.schedule() -> ScheduledStep (KV page transfers + StepBatch), run by step_executor:
+      runner.execute_kv_transfers (copy-on-write, retraction saves, restores, in order)
+      -> runner.forward -> hidden rows
       sampling rows:   runner.compute_logits -> sampler.sample / token_logprobs / top_logprobs
       prompt rows:     runner.compute_logits in chunks of --input-logprob-chunk-tokens rows
                        -> sampler.token_logprobs (the ONE logprob function, spec "Logprobs")
@@ -30,7 +32,7 @@ from jengine.config import LaunchConfig, launch_config_from_kwargs
 from jengine.engine.io_struct import (RequestHandle, RequestLimits, normalize_generate_args,
                                       validate_request)
 from jengine.engine.kv_manager import KVManager
-from jengine.engine.logits_processor import SegmentResult, compute_step_outputs
+from jengine.engine.step_executor import SegmentResult, execute_step
 from jengine.engine.output_processor import OutputProcessor, RequestState, StepOutput
 from jengine.engine.request import InvalidRequest, Req
 from jengine.engine.scheduler import Scheduler, SchedulerConfig, Segment
@@ -110,7 +112,7 @@ class Engine:
             max_running_requests=config.max_running_requests,
             enable_prefix_cache=not config.disable_radix_cache,
             debug_force_retraction_interval=config.debug_force_retraction_interval,
-        ), self.kv, runner)
+        ), self.kv)
         logger.info("KV pool: %d pages x %d tokens = %d tokens; context %d", self.kv.capacity_pages,
                     self.kv.page_size, self.kv.capacity_pages * self.kv.page_size, self.max_context)
 
@@ -356,16 +358,20 @@ class Engine:
             for req in self.scheduler.finished_by_scheduler:
                 self._emit(req)
             self.scheduler.finished_by_scheduler.clear()
-        if step is None:
-            return
         try:
-            results = compute_step_outputs(self.runner, self.sampler, step,
-                                           self.config.input_logprob_chunk_tokens)
+            results = execute_step(self.runner, self.sampler, step,
+                                   self.config.input_logprob_chunk_tokens)
         except Exception as exc:
             logger.exception("step failed; aborting its %d request(s)", len(step.segments))
             for seg in step.segments:
                 self._fail(seg.req, f"step failed: {exc!r}")
+            # A retracted request whose save did not run has no bytes to resume from.
+            for req in list(self.scheduler.waiting):
+                if req.image is not None and not req.image.saved:
+                    self._fail(req, f"step failed before its KV was saved: {exc!r}")
             return
+        if step.batch is None:
+            return  # page transfers only: no forward to time
         for seg in step.segments:
             if seg.req.finished:
                 continue  # defensive: commands (abort, finish) only run between steps
@@ -432,6 +438,6 @@ def _enable_compilation_cache() -> None:
 
     if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
         return
-    from jengine.models.tiny import tiny_cache_root
+    from jengine.cache import cache_root
 
-    jax.config.update("jax_compilation_cache_dir", str(tiny_cache_root() / "jax"))
+    jax.config.update("jax_compilation_cache_dir", str(cache_root() / "jax"))

@@ -215,3 +215,21 @@ class ModelRunner:
         seconds = time.perf_counter() - start
         logger.info("compiled %d step buckets in %.1f s", len(combos), seconds)
         return seconds
+
+    # -- the scheduler's page commands --------------------------------------------------------------
+    def execute_kv_transfers(self, transfers) -> None:
+        """Run a step's `KVTransfer`s (jengine/engine/batch.py) in the order given, before its
+        forward: a page a retraction saves may be the very page a later restore writes."""
+        from jengine.engine.batch import PageCopy, PageRestore, PageSave
+
+        for t in transfers:
+            if isinstance(t, PageCopy):
+                self.copy_pages(list(t.src), list(t.dst))
+            elif isinstance(t, PageSave):
+                t.image.kv = self.read_pages(list(t.pages))  # an exact byte copy, to the host
+            elif isinstance(t, PageRestore):
+                if not t.image.saved:
+                    raise RuntimeError(f"restore into pages {list(t.pages)}: its image was never saved")
+                self.write_pages(list(t.pages), t.image.kv)
+            else:
+                raise TypeError(f"kv transfer {t!r} is not a PageCopy, PageSave or PageRestore")

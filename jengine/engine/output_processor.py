@@ -48,7 +48,7 @@ class StepOutput:
 
     @classmethod
     def for_segment(cls, req: Req, res: Any, sampled: bool) -> "StepOutput":
-        """The event for one committed segment (res: logits_processor.SegmentResult). Only
+        """The event for one committed segment (res: step_executor.SegmentResult). Only
         references and slices of the step's arrays: no copies of the request's history."""
         n_top = req.top_logprobs_num
         ev = cls(req.rid, prompt_logprobs=list(res.prompt_logprobs),

@@ -176,13 +176,20 @@ class RetractionImage:
     """A suspended request's device state, copied out byte for byte (spec: "Retraction is a byte copy").
 
     `kv` holds the bytes of the pages covering the first `num_computed` tokens, the partial last page
-    included. The slot state (next input token = fill_ids[num_computed], its position = num_computed,
-    the sampler's (seed, position) key) is derived from the host-side `Req`, which is kept as is.
+    included. The scheduler creates the image when it retracts; the bytes arrive when the runner
+    executes the step's `PageSave` (jengine/engine/batch.py), before any later restore reads them.
+    The slot state (next input token = fill_ids[num_computed], its position = num_computed, the
+    sampler's (seed, position) key) is derived from the host-side `Req`, which is kept as is.
     """
 
-    kv: Any  # np.ndarray from runner.read_pages
     num_pages: int
     num_computed: int
+    kv: Any = None  # the runner's read_pages array; None until the save has run
+
+    @property
+    def saved(self) -> bool:
+        """Whether the bytes it needs are on the host (an image of no pages needs none)."""
+        return self.num_pages == 0 or self.kv is not None
 
 
 @dataclass(eq=False)

@@ -12,30 +12,26 @@ Two queues, as in nano-vllm/SGLang: `waiting` (new requests, and retracted ones 
    new request takes its prefix-cache hit and pages for its whole prompt; a retracted one takes
    fresh pages and gets its image written back.
 
-The scheduler never looks at logits; the engine turns the step's hidden rows into tokens and calls
-`commit` for each segment afterwards.
+The scheduler owns no device and imports nothing that does: it moves no bytes itself. Every page
+move it decides -- a copy-on-write of a prefix hit's tail page, a retraction's save to host bytes, a
+resume's restore -- becomes a `KVTransfer` command in the step's `kv_transfers`, in decision order,
+and the runner executes them before the step's forward (engine/step_executor.py). The scheduler never
+looks at logits either; the engine turns the step's hidden rows into tokens and calls `commit` for
+each segment afterwards.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import numpy as np
 
-from jengine.engine.batch import NULL_PAGE, StepBatch
+from jengine.engine.batch import (NULL_PAGE, KVTransfer, PageCopy, PageRestore, PageSave,
+                                  StepBatch)
 from jengine.engine.kv_manager import KVManager
 from jengine.engine.prefix_cache import PrefixCache
 from jengine.engine.request import Req, ReqStatus, RetractionImage
-
-
-class KVCopier(Protocol):
-    """The part of ModelRunner the scheduler uses: byte copies of whole pages."""
-
-    def copy_pages(self, src: list[int], dst: list[int]) -> None: ...
-    def read_pages(self, pages: list[int]) -> Any: ...
-    def write_pages(self, pages: list[int], data: Any) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -64,15 +60,23 @@ class Segment:
 
 @dataclass
 class ScheduledStep:
-    batch: StepBatch
-    segments: list[Segment]
+    """One step for the runner: first the page transfers, in order, then the forward of `batch`.
+
+    `batch` is None (and `segments` empty) when nothing fits this step; the transfers still run --
+    a retraction that freed pages for nobody has its bytes to save all the same.
+    """
+
+    kv_transfers: list[KVTransfer]
+    batch: StepBatch | None = None
+    segments: list[Segment] = field(default_factory=list)
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, kv: KVManager, copier: KVCopier) -> None:
+    def __init__(self, cfg: SchedulerConfig, kv: KVManager) -> None:
         self.cfg = cfg
         self.kv = kv
-        self.copier = copier
+        # Page moves decided since the last schedule() returned; it hands them to the runner.
+        self._transfers: list[KVTransfer] = []
         self.cache = PrefixCache(kv) if cfg.enable_prefix_cache else None
         if self.cache is not None:
             kv.evict_hook = self.cache.evict
@@ -117,10 +121,12 @@ class Scheduler:
 
     # -- retraction -----------------------------------------------------------------------------
     def retract(self, req: Req) -> None:
-        """Suspend a running request: copy its KV out byte for byte, free its pages, requeue it first."""
+        """Suspend a running request: order its KV copied out byte for byte, free its pages (the save
+        is ordered before anything that reuses them), requeue it first."""
         n = self.kv.pages_for(req.num_computed)
-        data = self.copier.read_pages(req.pages[:n]) if n else None
-        req.image = RetractionImage(kv=data, num_pages=n, num_computed=req.num_computed)
+        req.image = RetractionImage(num_pages=n, num_computed=req.num_computed)
+        if n:
+            self._transfers.append(PageSave(tuple(req.pages[:n]), req.image))
         self.kv.decref(req.pages)
         req.pages = []
         self.running.remove(req)
@@ -142,7 +148,7 @@ class Scheduler:
         if pages is None:
             return False
         if image.num_pages:
-            self.copier.write_pages(pages[: image.num_pages], image.kv)
+            self._transfers.append(PageRestore(tuple(pages[: image.num_pages]), image))
         assert req.num_computed == image.num_computed
         req.pages = pages
         req.image = None
@@ -168,7 +174,7 @@ class Scheduler:
             return False
         if partial:
             # Copy-on-write: the cached node keeps the tail page; we write after the tail.
-            self.copier.copy_pages(partial, fresh[:1])
+            self._transfers.append(PageCopy(tuple(partial), tuple(fresh[:1])))
             self.kv.decref(partial)
         req.pages = shared + fresh
         req.num_computed = req.cached_tokens = match.length if match else 0
@@ -208,7 +214,7 @@ class Scheduler:
                     break
 
     # -- the step -------------------------------------------------------------------------------
-    def schedule(self) -> ScheduledStep | None:
+    def schedule(self) -> ScheduledStep:
         self.step_count += 1
         interval = self.cfg.debug_force_retraction_interval
         if interval and self.step_count % abs(interval) == 0:
@@ -237,9 +243,10 @@ class Scheduler:
             n = min(req.num_pending, self.cfg.chunked_prefill_size, budget)
             plan.append((req, n))
             budget -= n
+        transfers, self._transfers = self._transfers, []
         if not plan:
-            return None
-        return ScheduledStep(*self._build(plan))
+            return ScheduledStep(transfers)
+        return ScheduledStep(transfers, *self._build(plan))
 
     def _build(self, plan: list[tuple[Req, int]]) -> tuple[StepBatch, list[Segment]]:
         width = max(len(req.pages) for req, _ in plan)

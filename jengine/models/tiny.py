@@ -4,8 +4,8 @@ It exists so that `jengine serve` works on a fresh machine with no download. Its
 gibberish; its numerics are real (bf16 weights through the same code paths as any checkpoint).
 
 On first use it is written as an ordinary Hugging Face directory (so HF transformers loads it
-too) under `$JENGINE_CACHE_DIR/tiny-v1`, else `$XDG_CACHE_HOME/jengine/tiny-v1`, else
-`~/.cache/jengine/tiny-v1`. The files are built in a temporary directory next to the target and
+too) under `<cache root>/tiny-v1` (jengine/cache.py: `$JENGINE_CACHE_DIR`, else
+`$XDG_CACHE_HOME/jengine`, else `~/.cache/jengine`). The files are built in a temporary directory next to the target and
 renamed into place, so concurrent first uses never see a half-written model.
 
 "tiny-v1" names one exact set of bytes: `TINY_V1_SHA256` pins every file, and generation checks
@@ -29,10 +29,13 @@ from pathlib import Path
 
 import numpy as np
 
+from jengine.cache import cache_root as jengine_cache_root
+from jengine.logprob_orders import BLOCKWISE_VOCAB_BLOCK
+
 TINY_NAME = "tiny"
 TINY_VERSION = "tiny-v1"
 
-VOCAB_SIZE = 32768  # the rl-bitwise vocabulary block; input == output
+VOCAB_SIZE = BLOCKWISE_VOCAB_BLOCK  # one rl-bitwise vocabulary block; input == output
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 
 CHAT_TEMPLATE = (
@@ -84,19 +87,9 @@ TINY_V1_SHA256 = {
 }
 
 
-def tiny_cache_root() -> Path:
-    """Where jengine caches generated files (the tiny model lives in `<root>/tiny-v1`)."""
-    override = os.environ.get("JENGINE_CACHE_DIR")
-    if override:
-        return Path(override).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "jengine"
-
-
 def ensure_tiny_model(cache_root: str | os.PathLike | None = None) -> Path:
     """The tiny model's directory, generating it on first use."""
-    root = Path(cache_root) if cache_root is not None else tiny_cache_root()
+    root = Path(cache_root) if cache_root is not None else jengine_cache_root()
     target = root / TINY_VERSION
     if target.exists():
         missing = [name for name in TINY_V1_SHA256 if not (target / name).is_file()]

@@ -1,6 +1,8 @@
-"""From a step's hidden rows to tokens and logprobs (SGLang's LogitsProcessor + sampler call).
+"""The step executor: runs one scheduled step on the runner and turns its hidden rows into tokens
+and logprobs (SGLang's forward + LogitsProcessor + sampler call).
 
-Sampling rows: one `runner.logits_at` over all of them, then `sampler.sample` keyed by each
+First the step's KV page transfers, in the order the scheduler emitted them (`runner.
+execute_kv_transfers`), then the forward, if the step has one. Sampling rows: one `runner.logits_at` over all of them, then `sampler.sample` keyed by each
 request's (seed, absolute position of the new token), and the sampled token's logprob through
 `sampler.token_logprobs`. Prompt rows: logits in chunks of --input-logprob-chunk-tokens rows (so the
 [rows, vocab] tensor stays bounded) through the SAME `sampler.token_logprobs` (spec, "Logprobs: one
@@ -27,8 +29,13 @@ class SegmentResult:
     token_top: tuple[np.ndarray, np.ndarray] | None = None
 
 
-def compute_step_outputs(runner: Any, sampler: Any, step: ScheduledStep,
-                         input_logprob_chunk_tokens: int) -> dict[int, SegmentResult]:
+def execute_step(runner: Any, sampler: Any, step: ScheduledStep,
+                 input_logprob_chunk_tokens: int) -> dict[int, SegmentResult]:
+    """The result of each segment of `step`, keyed by id(segment)."""
+    # Before the forward: a restored or copied page must hold its bytes when the step reads it.
+    runner.execute_kv_transfers(step.kv_transfers)
+    if step.batch is None:
+        return {}
     results = {id(seg): SegmentResult() for seg in step.segments}
     # The step's whole padded bucket of hidden states; `logits_at` gathers rows inside its jitted
     # program, so no small program is compiled per count of sampled or scored rows.
