@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 
 from jengine.config import LaunchConfig
-from jengine.engine.batch import NULL_PAGE
 from jengine.engine.engine import Engine
 from jengine.engine.kv_manager import KVManager
 from jengine.engine.prefix_cache import PrefixCache
 from jengine.engine.io_struct import visible_text
 from jengine.engine.output_processor import RequestState
 from jengine.engine.request import Req, SamplingParams, derive_sample_seeds
+from jengine.models.kv_cache import NULL_PAGE
 
 VOCAB = 32
 MASK = (1 << 64) - 1

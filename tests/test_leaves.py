@@ -118,7 +118,7 @@ def _run_chunks(q, k_cache, v_cache, pages, seq_len, chunk, extra_pages=0):
     for start in range(0, seq_len, chunk):
         stop = min(seq_len, start + chunk)
         n = stop - start
-        outs.append(np.asarray(_paged(q[start:stop], k_cache, v_cache, jnp.asarray(table[None]),
+        outs.append(np.asarray(_paged(q[start:stop], (k_cache, v_cache), jnp.asarray(table[None]),
                                       jnp.zeros(n, jnp.int32),
                                       jnp.arange(start, stop, dtype=jnp.int32),
                                       scale=D ** -0.5).astype(jnp.float32)))
@@ -163,8 +163,8 @@ def test_native_attention_is_only_close():
     table = jnp.asarray(pages.astype(np.int32)[None])
     req = jnp.zeros(seq_len, jnp.int32)
     pos = jnp.arange(seq_len, dtype=jnp.int32)
-    fixed = _paged(q, k_cache, v_cache, table, req, pos, scale=0.25)
-    native = attention.paged_xla_native(q, k_cache, v_cache, table, req, pos, scale=0.25)
+    fixed = _paged(q, (k_cache, v_cache), table, req, pos, scale=0.25)
+    native = attention.paged_xla_native(q, (k_cache, v_cache), table, req, pos, scale=0.25)
     np.testing.assert_allclose(np.asarray(native, np.float32), np.asarray(fixed, np.float32),
                                rtol=2 ** -7, atol=2 ** -7)
 
