@@ -24,6 +24,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from jengine.engine.batch import StepBatch
+from jengine.engine.kv_pool import KVPool
 from jengine.models.kv_cache import NULL_PAGE
 from jengine.models.layers.param import weight_source
 from jengine.models.registry import get_family
@@ -78,14 +79,12 @@ class ModelRunner:
         # (K and V), not one [L, ...] array: each layer's scatter then updates its own donated
         # buffer in place. With one stacked array XLA rebuilt (concatenated) the whole pool every
         # step -- seen in the compiled HLO, and ~2x the pool's bytes of traffic per step.
-        self.kv_spec = self.family.kv_cache_spec(cfg)
-        self.kv = self.kv_spec.allocate(self.num_pages, self.page_size, self.dtype)
+        self.kv_pool = KVPool(self.family.kv_cache_spec(cfg), num_pages=self.num_pages,
+                              page_size=self.page_size, dtype=self.dtype)
         self.max_step_tokens = launch.max_prefill_tokens + launch.max_running_requests
 
         self._forward = jax.jit(self._forward_impl, donate_argnums=(1,))
         self._logits_rows = jax.jit(self._logits_rows_impl)
-        self._copy = jax.jit(self._copy_impl, donate_argnums=(0,))
-        self._write = jax.jit(self._write_impl, donate_argnums=(0,))
 
     def _build_model(self, weights):
         launch = self.resolved.config
@@ -129,16 +128,6 @@ class ModelRunner:
     def _logits_rows_impl(self, params, hidden, rows):
         return self._model(params).compute_logits(hidden[rows])
 
-    @staticmethod
-    def _copy_impl(kv, src, dst):
-        return jax.tree.map(lambda pages: pages.at[dst].set(pages[src]), kv)
-
-    @staticmethod
-    def _write_impl(kv, pages, image):
-        """image: [components, layers, n, page_size, ...] (read_pages' layout)."""
-        return tuple(tuple(c.at[pages].set(image[j, i]) for j, c in enumerate(layer))
-                     for i, layer in enumerate(kv))
-
     # -- the step ---------------------------------------------------------------------------------
     def forward(self, batch: StepBatch) -> jax.Array:
         """Run one step; returns final-norm hidden states [S, H] for ``batch.hidden_rows``."""
@@ -167,8 +156,9 @@ class ModelRunner:
         positions[:t] = batch.positions
         token_req[:t] = batch.token_req
         block_tables[:r, :p] = batch.block_tables
-        hidden, self.kv = self._forward(self._params, self.kv, input_ids, positions, token_req,
-                                        block_tables)
+        pool = self.kv_pool
+        hidden, pool.arrays = self._forward(self._params, pool.arrays, input_ids, positions,
+                                            token_req, block_tables)
         return hidden
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
@@ -187,25 +177,14 @@ class ModelRunner:
 
     # -- page images (prefix-cache copy-on-write, retraction) --------------------------------------
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
-        if src:
-            self.kv = self._copy(self.kv, np.asarray(src, np.int32), np.asarray(dst, np.int32))
+        self.kv_pool.copy(src, dst)
 
     def read_pages(self, pages: list[int]) -> np.ndarray:
-        """The exact bytes of those pages: [components, L, n, page_size, *page_shape]
-        (KVCacheSpec.page_image_shape; for K/V pages [2, L, n, page_size, Hkv, D], K then V)."""
-        idx = jnp.asarray(pages, jnp.int32)
-        components = len(self.kv_spec.layout.components)
-        return np.stack([np.stack([np.asarray(layer[j][idx]) for layer in self.kv])
-                         for j in range(components)])
+        """The exact bytes of those pages (KVPool.read: for K/V pages [2, L, n, page_size, Hkv, D])."""
+        return self.kv_pool.read(pages)
 
     def write_pages(self, pages: list[int], data: np.ndarray) -> None:
-        """Put back an image read by `read_pages` (byte for byte) into `pages`."""
-        if len(pages):
-            expected = self.kv_spec.page_image_shape(len(pages), self.page_size)
-            if tuple(data.shape) != expected:
-                raise ValueError(f"write_pages: page image has shape {tuple(data.shape)}, "
-                                 f"expected {expected} for {len(pages)} page(s)")
-            self.kv = self._write(self.kv, np.asarray(pages, np.int32), jnp.asarray(data))
+        self.kv_pool.write(pages, data)
 
     # -- inspection (interop/bisect.py) -------------------------------------------------------------
     def forward_sequence(self, ids, *, instrument=None):
@@ -222,7 +201,7 @@ class ModelRunner:
         pages = -(-t // self.page_size)
         inputs = (ids, np.arange(t, dtype=np.int32), np.zeros(t, np.int32),
                   np.arange(1, pages + 1, dtype=np.int32)[None])  # ids, positions, req, table
-        kv = self.kv_spec.allocate(pages + 1, self.page_size, self.dtype)
+        kv = self.kv_pool.spec.allocate(pages + 1, self.page_size, self.dtype)
         if instrument is None:
             hidden, _ = self._forward(self._params, kv, *inputs)
             return hidden, None
@@ -251,8 +230,8 @@ class ModelRunner:
         for t, p in tqdm(combos, desc="compiling step buckets", unit="bucket"):
             # A real call (not .lower().compile()) so the jit dispatch cache is filled; every row is
             # padding, so no K/V is written.
-            _, self.kv = self._forward(
-                self._params, self.kv, np.zeros(t, np.int32), np.zeros(t, np.int32),
+            _, self.kv_pool.arrays = self._forward(
+                self._params, self.kv_pool.arrays, np.zeros(t, np.int32), np.zeros(t, np.int32),
                 np.zeros(t, np.int32), np.full((t, p), NULL_PAGE, np.int32))
         seconds = time.perf_counter() - start
         logger.info("compiled %d step buckets in %.1f s", len(combos), seconds)
