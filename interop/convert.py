@@ -2,7 +2,8 @@
 
 The engine reads HF-named numpy arrays (a checkpoint reader, ``LoadedModel.checkpoint``, or a
 mapping of them: bf16 via ``ml_dtypes``, ``[out, in]`` projections as stored by HF); each
-parameter's spec says how the model transposes it when it builds its parameters. So conversion is only about containers and dtypes, never values:
+parameter's spec says how the model transposes it when it builds its parameters. So conversion
+is only about containers and dtypes, never values:
 
 * ``state_dict_to_weights(sd)``: torch ``state_dict`` -> engine weights. CPU tensors are shared
   (zero copy, a bf16 tensor is viewed as ``ml_dtypes.bfloat16``); CUDA tensors are copied to host.

@@ -103,20 +103,14 @@ class ModelRunner:
         of HF tensor name -> array, a checkpoint reader, or a weight source -- the same path the
         model was first loaded through, one tensor at a time.
 
-        The model is rebuilt with the frozen kernel plans and only its parameter state replaces
-        the old one, so the compiled step programs are reused. The KV pool is not touched: the
-        caller flushes cached prefixes, which were computed with the old weights.
+        The model is rebuilt from the runner's config with the frozen kernel plans, so it has
+        the same structure; each tensor is checked against its spec (name, shape) as it is read.
+        Only the parameter state replaces the old one, so the compiled step programs are reused.
+        The KV pool is not touched: the caller flushes cached prefixes, which were computed with
+        the old weights.
         """
-        graphdef, state = nnx.split(self._build_model(weights))
-        params, state_def = jax.tree.flatten(state)
-        if graphdef != self._graphdef or state_def != self._state_def:
-            raise ValueError("the new weights build a different model structure than the runner's "
-                             "(layer count, biases or tied head differ)")
-        for i, (a, b) in enumerate(zip(self._params, params)):
-            if a.shape != b.shape or a.dtype != b.dtype:
-                raise ValueError(f"parameter {i}: new {b.dtype}{list(b.shape)} does not match the "
-                                 f"runner's {a.dtype}{list(a.shape)}")
-        self._params = tuple(params)
+        _, state = nnx.split(self._build_model(weights))
+        self._params = tuple(jax.tree.leaves(state))
 
     def _model(self, params):
         return nnx.merge(self._graphdef, jax.tree.unflatten(self._state_def, params))

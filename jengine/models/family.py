@@ -31,13 +31,13 @@ class ModelFamily:
     profile: ModelProfile
     parse_config: Callable[[Mapping[str, Any]], dict]  # config.json -> family-specific fields
     checkpoint_name: Callable[[Any, str], str]         # (config, parameter path) -> HF tensor name
-    body: str                           # module with param_specs, kv_cache_spec, ModelKernels, Model
+    body: str                           # module: param_specs, kv_cache_spec, ModelKernels, Model
 
     def _body(self):
         return importlib.import_module(self.body)
 
     def param_specs(self, cfg, *, dtype) -> dict:
-        """Every parameter's `ParamSpec` (path -> spec), from the config alone: nothing is loaded."""
+        """Every parameter's `ParamSpec` (path -> spec), from the config alone: nothing loads."""
         return self._body().param_specs(
             cfg, dtype=dtype, checkpoint_name=lambda path: self.checkpoint_name(cfg, path))
 

@@ -66,8 +66,9 @@ class KVCacheSpec:
         # The retraction image (`page_image_shape`) stacks layers into one array; layers of
         # different layouts would need a ragged image, which nothing needs yet.
         if len(set(self.layers)) != 1:
-            raise ValueError(f"KVCacheSpec.layers mixes page layouts {sorted(set(map(repr, self.layers)))}"
-                             "; every layer must have the same layout")
+            layouts = sorted(set(map(repr, self.layers)))
+            raise ValueError(f"KVCacheSpec.layers mixes page layouts {layouts}; every layer must "
+                             "have the same layout")
 
     @property
     def layout(self) -> KVPages | LatentPages:
