@@ -1,14 +1,17 @@
 """Bisect a teacher-forced mismatch to the first layer and op whose outputs differ.
 
 The dump writer records named states of the trainer's forward (interop/states.py) for the first
-``n`` positions. Here the engine's own forward (``DenseDecoder.__call__``, jitted) runs over the same
-tokens with every kernel plan wrapped in a recorder: each leaf call's inputs and outputs are kept and
-named by the parameter it was called with (``q_proj``'s weight -> ``layers.i.q_proj``), so nothing
-of the model's op order is restated here. The first state in forward order whose bits differ is the
-op to look at: every state before it matched, so it saw the same inputs on both sides.
+``n`` positions. Here the engine's own forward runs over the same tokens
+(``ModelRunner.forward_sequence`` with an instrument) with every kernel plan wrapped in a recorder:
+each leaf call's inputs and outputs are kept and named by the parameter it was called with, as the
+model names it (``model.named_parameters()``: ``layers.i.self_attn.q_proj.weight`` ->
+``layers.i.q_proj``), so nothing of the model's op order or parameter list is restated here. The
+first state in forward order whose bits differ is the op to look at: every state before it
+matched, so it saw the same inputs on both sides.
 
 As a guard, the recorded forward's final hidden states are compared with the runner's real step
-program (``runner._forward``) bit for bit; a difference is reported, not hidden.
+program (``forward_sequence`` without an instrument) bit for bit; a difference is reported, not
+hidden.
 """
 
 from __future__ import annotations
@@ -16,15 +19,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from interop.states import state_names
-
-_LAYER_PARAMS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                 "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
+from interop.states import LAYER_OPS, state_names
 
 
 class _Recorder:
@@ -35,17 +33,28 @@ class _Recorder:
 
     def __call__(self, *args, **kwargs):
         out = self.plan(*args, **kwargs)
-        self.log.append((self.kind, args, out))
+        if self.kind == "gemm_group":  # one grouped launch: log each member as its own gemm
+            x, ws = args[0], args[1]
+            biases = args[2] if len(args) > 2 else kwargs.get("biases")
+            for i, (w, o) in enumerate(zip(ws, out)):
+                self.log.append(("gemm", (x, w, None if biases is None else biases[i]), o))
+        else:
+            self.log.append((self.kind, args, out))
         return out
 
 
 def _param_names(model) -> dict[int, tuple[int | None, str]]:
-    """id(parameter value) -> (layer index or None, parameter name)."""
-    names = {id(model.norm[...]): (None, "norm")}
-    for i, layer in enumerate(model.layers):
-        for attr in _LAYER_PARAMS:
-            if hasattr(layer, attr):
-                names[id(getattr(layer, attr)[...])] = (i, attr)
+    """id(weight value) -> (layer index or None, state name) for the weights a state is named
+    after: "layers.3.self_attn.q_proj.weight" -> (3, "q_proj"), "norm.weight" -> (None, "norm")."""
+    names = {}
+    for path, value in model.named_parameters().items():
+        parts = path.split(".")
+        if parts[-1] != "weight":
+            continue
+        if path == "norm.weight":
+            names[id(value)] = (None, "norm")
+        elif parts[0] == "layers" and parts[-2] in LAYER_OPS:
+            names[id(value)] = (int(parts[1]), parts[-2])
     return names
 
 
@@ -94,31 +103,20 @@ def _states_from_log(log, names, num_layers: int, tokens: int) -> dict:
 
 def engine_states(runner, ids) -> tuple[dict[str, np.ndarray], bool]:
     """(named states of the engine's forward over ``ids``, recorded-forward-equals-real-step?)."""
-    ids = np.asarray(ids, np.int32)
     t = len(ids)
-    ps = runner.page_size
-    pages = -(-t // ps)
-    cfg = runner.model_config
-    shape = (pages + 1, ps, cfg.num_key_value_heads, cfg.head_dim)  # one layer's KV pool
-    inputs = (ids, np.arange(t, dtype=np.int32), np.zeros(t, np.int32),
-              np.arange(1, pages + 1, dtype=np.int32)[None])  # ids, positions, token_req, tables
+    num_layers = runner.model_config.num_hidden_layers
 
-    def run(state, kc, vc, *inputs):
-        model = nnx.merge(runner._graphdef, state)
+    def instrument(model):
         log: list = []
         kern = model.kernels
         model.kernels = dataclasses.replace(kern, **{
             f.name: _Recorder(getattr(kern, f.name), f.name, log)
             for f in dataclasses.fields(kern)})
-        hidden, _, _ = model(*inputs, kc, vc)
-        return hidden, _states_from_log(log, _param_names(model), cfg.num_hidden_layers, t)
+        return lambda: _states_from_log(log, _param_names(model), num_layers, t)
 
-    def zeros():  # a private KV pool (one array per layer, as the runner's), never the engine's
-        return tuple(jnp.zeros(shape, runner.dtype) for _ in range(cfg.num_hidden_layers))
-
-    hidden, states = jax.jit(run)(runner.state, zeros(), zeros(), *inputs)
+    hidden, states = runner.forward_sequence(ids, instrument=instrument)
     states = {k: np.asarray(v) for k, v in states.items()}
-    real, _, _ = runner._forward(runner._params, zeros(), zeros(), *inputs)
+    real, _ = runner.forward_sequence(ids)
     agrees = bool((_bits(np.asarray(real)) == _bits(np.asarray(hidden))).all())
     return states, agrees
 

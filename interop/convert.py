@@ -1,8 +1,9 @@
 """Checkpoint conversion between a torch trainer and the engine, both ways, bit for bit.
 
-The engine's parameter tree is a dict of HF-named numpy arrays (``LoadedModel.weights``: bf16 via
-``ml_dtypes``, ``[out, in]`` projections as stored by HF); the model transposes projections itself
-when it builds its parameters. So conversion is only about containers and dtypes, never values:
+The engine reads HF-named numpy arrays (a checkpoint reader, ``LoadedModel.checkpoint``, or a
+mapping of them: bf16 via ``ml_dtypes``, ``[out, in]`` projections as stored by HF); each
+parameter's spec says how the model transposes it when it builds its parameters. So conversion
+is only about containers and dtypes, never values:
 
 * ``state_dict_to_weights(sd)``: torch ``state_dict`` -> engine weights. CPU tensors are shared
   (zero copy, a bf16 tensor is viewed as ``ml_dtypes.bfloat16``); CUDA tensors are copied to host.
@@ -109,10 +110,11 @@ def save_state_dict_file(state_dict: Mapping[str, Any], path) -> None:
 
 @dataclass
 class LoadedWeights:
-    """What ``ModelRunner`` reads from a loaded model: ``.config`` and ``.weights`` (and a path)."""
+    """What ``ModelRunner`` reads from a loaded model: ``.config`` and ``.checkpoint`` (here a
+    mapping of HF tensor name -> array, read one tensor at a time like a checkpoint)."""
 
     config: Any  # jengine.models.config.ModelConfig
-    weights: dict[str, np.ndarray]
+    checkpoint: dict[str, np.ndarray]
     path: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -129,7 +131,7 @@ def loaded_from_torch_model(model) -> LoadedWeights:
     from jengine.models.config import ModelConfig
 
     config = ModelConfig.from_hf_dict(model.config.to_dict())
-    return LoadedWeights(config=config, weights=state_dict_to_weights(model.state_dict()))
+    return LoadedWeights(config=config, checkpoint=state_dict_to_weights(model.state_dict()))
 
 
 def update_runner_weights(runner, state_dict: Mapping[str, Any]) -> None:

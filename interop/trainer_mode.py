@@ -13,9 +13,9 @@ Everything else (casts, adds, multiplies, gathers, cat) is correctly rounded IEE
 frameworks and stays torch's. Attention is replaced at the model level: ``enable(model)`` registers
 the dense-causal attention leaf's twin with transformers' ``AttentionInterface`` under
 ``ATTENTION_NAME``, selects it on the model, and replaces the rotary ``inv_freq`` with the
-engine's own (jengine.models.rope: HF's formula as torch evaluates it, with XLA's pow; HF computed
-it at load time with torch's pow), as a float32 buffer (``model.to(torch.bfloat16)`` rounds HF's to
-bf16). Leaving the context restores the model and the dispatcher.
+engine's own (jengine.models.layers.rope: HF's formula as torch evaluates it, with XLA's pow; HF
+computed it at load time with torch's pow), as a float32 buffer (``model.to(torch.bfloat16)``
+rounds HF's to bf16). Leaving the context restores the model and the dispatcher.
 
 Unsupported call forms (e.g. ``addmm`` with beta != 1, a mean over another axis) run torch's own
 kernel and are counted in ``TrainerMode.fallbacks`` -- the dump writer prints them, because a
@@ -217,7 +217,7 @@ def _set_attn_implementation(model, name: str) -> None:
 
 
 def recompute_inv_freq(config, rotary, architecture: str | None = None) -> tuple[torch.Tensor, float]:
-    """The engine's own inverse frequencies (jengine.models.rope) for this model's rotary.
+    """The engine's own inverse frequencies (jengine/models/layers/rope.py) for this model's rotary.
 
     They are HF's ``ROPE_INIT_FUNCTIONS`` as torch evaluates them on the rotary's device, with
     XLA's pow -- computed by the engine's function, so the two sides agree by construction
@@ -225,7 +225,7 @@ def recompute_inv_freq(config, rotary, architecture: str | None = None) -> tuple
     device, 5.24 on the CPU, where trainer mode does not route pow).
     """
     from jengine.models.config import ModelConfig
-    from jengine.models.rope import inv_freq_and_scaling
+    from jengine.models.layers.rope import inv_freq_and_scaling
 
     d = config.to_dict()
     if not d.get("architectures") and architecture:

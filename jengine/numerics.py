@@ -148,8 +148,8 @@ def resolve_rl_bitwise(cfg: LaunchConfig) -> LaunchConfig:
 def _validate_rl_bitwise_checkpoint(resolved: "ResolvedLaunch", model_config: Any,
                                     profile: ModelProfile | None) -> list[str]:
     violations = []
-    arch = getattr(model_config, "architecture", "?")
-    qcfg = getattr(model_config, "quantization_config", None)
+    arch = model_config.architecture
+    qcfg = model_config.quantization_config
     if qcfg:
         violations.append(
             f"unquantized checkpoints only: {arch} has quantization_config={qcfg!r}, and no "
@@ -159,14 +159,14 @@ def _validate_rl_bitwise_checkpoint(resolved: "ResolvedLaunch", model_config: An
         violations.append(f"MoE TP 1: {arch} is a MoE model and --moe-tp-size is {moe_tp}")
     dtype = resolved.config.dtype
     if dtype == "auto":
-        dtype = getattr(model_config, "torch_dtype", None) or "bfloat16"
+        dtype = model_config.torch_dtype or "bfloat16"
     if resolved.hardware.startswith("gpu") and dtype == "float32":
         # Not verified, so refused rather than served with a silent gap: the f32 Triton RMSNorm's
         # tree is not the trainer twin's (docs/gpu-validation.md), and XLA contracts the f32 RoPE
         # multiply-add into an FMA where torch rounds the product.
         violations.append(
             f"bf16 models only on the GPU: {arch} would run in float32 (--dtype {resolved.config.dtype}"
-            f", checkpoint {getattr(model_config, 'torch_dtype', '?')}), whose trainer alignment is "
+            f", checkpoint {model_config.torch_dtype}), whose trainer alignment is "
             "not verified on the GPU; serve it with --dtype bfloat16, or under --numerics auto")
     return violations
 
@@ -336,11 +336,11 @@ def check_model(resolved: ResolvedLaunch, model_config: Any, profile: ModelProfi
                 *, role: str = "target") -> None:
     """Refuse, at model construction, a model the launch's envelope cannot serve.
 
-    Reads model_config.architecture, .vocab_size (the OUTPUT vocabulary), .quantization_config and,
-    for MoE families, .num_experts / .num_local_experts / .n_routed_experts. ``profile`` defaults to
-    the architecture's entry in jengine.profiles.PROFILES.
+    Reads model_config.architecture, .vocab_size (the OUTPUT vocabulary), .quantization_config,
+    .torch_dtype and .num_experts (jengine.models.config.ModelConfig's fields). ``profile``
+    defaults to the architecture's entry in jengine.profiles.PROFILES.
     """
-    arch = getattr(model_config, "architecture", None)
+    arch = model_config.architecture
     if profile is None:
         profile = PROFILES.get(arch)
     envelope, violations = resolved.envelope, []
@@ -359,8 +359,7 @@ def check_model(resolved: ResolvedLaunch, model_config: Any, profile: ModelProfi
 
 
 def _is_moe(model_config: Any) -> bool:
-    return any((getattr(model_config, n, None) or 0) > 0
-               for n in ("num_experts", "num_local_experts", "n_routed_experts"))
+    return model_config.num_experts > 0
 
 
 # -- plugins -------------------------------------------------------------------------------------------

@@ -1,4 +1,7 @@
-"""Model profiles: what each supported architecture has been verified under.
+"""Model profiles: what each registered architecture has been verified under.
+
+Each family declares its profile (jengine/models/{llama,qwen2,qwen3}.py); ``PROFILES`` is the live
+table built from them, which ``override_profile`` edits for a test.
 
 ``numerics_envelopes`` lists the envelopes (other than auto) a model has passed end to end -- the
 invariance harness and the teacher-forced comparison against a trainer dump. Launching such an
@@ -11,30 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from dataclasses import dataclass
 
+from jengine.models import registry
+from jengine.models.family import ModelProfile
 
-@dataclass(frozen=True)
-class ModelProfile:
-    architecture: str  # the Hugging Face class name in config.json "architectures"
-    numerics_envelopes: frozenset[str] = frozenset()
-    notes: str = ""
-
+__all__ = ["PROFILES", "ModelProfile", "get_profile", "override_profile"]
 
 PROFILES: dict[str, ModelProfile] = {
-    p.architecture: p
-    for p in (
-        # rl-bitwise for every dense family: tests/test_invariance.py (the invariance harness on the
-        # tiny Qwen3 model and on tiny random Llama / Qwen2 checkpoints) and
-        # tests/test_interop_align.py (teacher-forced trainer dumps of all three, bitwise).
-        ModelProfile("LlamaForCausalLM", frozenset({"rl-bitwise"}),
-                     "dense; no qkv bias, no qk-norm; tied or untied head"),
-        ModelProfile("Qwen2ForCausalLM", frozenset({"rl-bitwise"}),
-                     "dense; qkv bias (attention_bias=True)"),
-        ModelProfile("Qwen3ForCausalLM", frozenset({"rl-bitwise"}),
-                     "dense; per-head RMSNorm on q and k (qk_norm=True)"),
-    )
-}
+    arch: registry.get_family(arch).profile for arch in registry.architectures()}
 
 
 def get_profile(architecture: str) -> ModelProfile:

@@ -42,8 +42,8 @@ from pallas_kernels.fixed_order import fixed_exp, split_product, tree_sum
 from pallas_kernels.registry import Priority, declare_family, register
 
 
-def _paged_signature(q, k_cache, v_cache, block_tables, token_req, positions, *, scale):
-    """q[T, Hq, D], k/v caches [pages, page, Hkv, D], tables int[R, P], rows int[T] -> [T, Hq, D]."""
+def _paged_signature(q, kv, block_tables, token_req, positions, *, scale):
+    """q[T, Hq, D], kv = (k_pages, v_pages) [pages, page, Hkv, D], tables int[R, P], rows int[T] -> [T, Hq, D]."""
 
 
 def _dense_causal_signature(q, k, v, *, scale):
@@ -130,8 +130,10 @@ def _gather_pages(cache, block_tables):
 
 
 def _paged(core):
-    def paged_attention(q, k_cache, v_cache, block_tables, token_req, positions, *, scale):
-        """q [T, Hq, D]; caches [Np, ps, Hkv, D]; block_tables [R, P]; token_req, positions [T]."""
+    def paged_attention(q, kv, block_tables, token_req, positions, *, scale):
+        """q [T, Hq, D]; kv = (k_pages, v_pages), each [Np, ps, Hkv, D] (the layer's K/V pages,
+        jengine.models.kv_cache.KVPages); block_tables [R, P]; token_req, positions [T]."""
+        k_cache, v_cache = kv
         k_ctx = _gather_pages(k_cache, block_tables)
         v_ctx = _gather_pages(v_cache, block_tables)
         return core(q, k_ctx, v_ctx, token_req, positions, scale=scale)

@@ -139,9 +139,11 @@ def _combine_constexprs(c: dict) -> dict:
     return {k: v for k, v in c.items() if k not in ("BLOCK_N", "IEEE")}
 
 
-def paged_attention_triton(q, k_cache, v_cache, block_tables, token_req, positions, *, scale,
+def paged_attention_triton(q, kv, block_tables, token_req, positions, *, scale,
                            schedule: str | None = None):
-    """q [T, Hq, D]; caches [Np, page_size, Hkv, D]; block_tables [R, P]; token_req, positions [T]."""
+    """q [T, Hq, D]; kv = (k_pages, v_pages), each [Np, page_size, Hkv, D]; block_tables [R, P];
+    token_req, positions [T]."""
+    k_cache, v_cache = kv
     _check(q, k_cache, v_cache)
     t = q.shape[0]
     c = _constexprs(q, k_cache)
@@ -177,7 +179,7 @@ def dense_causal_attention_triton(q, k, v, *, scale, schedule: str | None = None
     """q [B, S, Hq, D], k/v [B, S, Hkv, D] -> [B, S, Hq, D]; query i attends to 0..i."""
     b, s, hq, d = q.shape
     token_req, positions, table = _dense_as_pages(b, s)
-    out = paged_attention_triton(q.reshape(b * s, hq, d), k, v, jnp.asarray(table),
+    out = paged_attention_triton(q.reshape(b * s, hq, d), (k, v), jnp.asarray(table),
                                  jnp.asarray(token_req), jnp.asarray(positions), scale=scale,
                                  schedule=schedule)
     return out.reshape(b, s, hq, d)
@@ -186,10 +188,11 @@ def dense_causal_attention_triton(q, k, v, *, scale, schedule: str | None = None
 # -- torch host (the trainer's twin) ---------------------------------------------------------------
 
 
-def paged_attention_triton_torch(q, k_cache, v_cache, block_tables, token_req, positions, *,
-                                 scale, schedule: str | None = None):
+def paged_attention_triton_torch(q, kv, block_tables, token_req, positions, *, scale,
+                                 schedule: str | None = None):
     import torch
 
+    k_cache, v_cache = kv
     _check(q, k_cache, v_cache)
     require_cuda_tensors("paged_attention_triton_torch", q, k_cache, v_cache, block_tables)
     q, k_cache, v_cache = contiguous(q), contiguous(k_cache), contiguous(v_cache)
@@ -227,7 +230,7 @@ def dense_causal_attention_triton_torch(q, k, v, *, scale, schedule: str | None 
 
     b, s, hq, d = q.shape
     token_req, positions, table = (torch.from_numpy(a).to(q.device) for a in _dense_as_pages(b, s))
-    out = paged_attention_triton_torch(q.reshape(b * s, hq, d), k, v, table, token_req, positions,
+    out = paged_attention_triton_torch(q.reshape(b * s, hq, d), (k, v), table, token_req, positions,
                                        scale=scale, schedule=schedule)
     return out.reshape(b, s, hq, d)
 

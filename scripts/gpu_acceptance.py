@@ -158,7 +158,7 @@ def rope_finding(case: str, arch: str, dims: dict) -> str:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from interop import trainer_mode
-    from jengine.models.rope import inv_freq_and_scaling
+    from jengine.models.layers.rope import inv_freq_and_scaling
 
     rope = dims["rope_parameters"]
     cfg = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**WIDTHS, **dims)

@@ -63,7 +63,7 @@ def run(fn, q_all, pool, rows, **kw):
     req = np.asarray([r for r, _ in rows], np.int32)
     pos = np.asarray([p for _, p in rows], np.int32)
     q = jnp.stack([q_all[r][p] for r, p in rows])
-    return fn(q, k, v, jnp.asarray(table), jnp.asarray(req), jnp.asarray(pos), **kw)
+    return fn(q, (k, v), jnp.asarray(table), jnp.asarray(req), jnp.asarray(pos), **kw)
 
 
 def torch_run(q_all, pool, rows, **kw):
@@ -74,7 +74,7 @@ def torch_run(q_all, pool, rows, **kw):
     pos = torch.tensor([p for _, p in rows], dtype=torch.int32, device="cuda")
     q = jnp.stack([q_all[r][p] for r, p in rows])
     t = lambda x: torch.from_dlpack(x)  # noqa: E731
-    out = ta.paged_attention_triton_torch(t(q), t(k), t(v), torch.from_numpy(table).cuda(), req, pos,
+    out = ta.paged_attention_triton_torch(t(q), (t(k), t(v)), torch.from_numpy(table).cuda(), req, pos,
                                           **kw)
     torch.cuda.synchronize()
     return jnp.asarray(out.float().cpu().numpy()).astype(q.dtype)
@@ -205,7 +205,7 @@ def timings() -> list[dict]:
         if bs <= 16:
             impls["xla fixed_order"] = xla_attention.paged_fixed_order
         for name, fn in impls.items():
-            f = jax.jit(lambda q, ks, vs, tb, rq, ps, fn=fn: [fn(q, k, v, tb, rq, ps, scale=d ** -0.5)
+            f = jax.jit(lambda q, ks, vs, tb, rq, ps, fn=fn: [fn(q, (k, v), tb, rq, ps, scale=d ** -0.5)
                                                               for k, v in zip(ks, vs)])
             try:
                 ms = median_ms(lambda: f(q, ks, vs, table, req, pos)) / LAYERS
@@ -222,7 +222,7 @@ def timings() -> list[dict]:
     table = jnp.pad(table, ((0, n - 1), (0, 0)))
     q = jnp.asarray(rng.standard_normal((n, hq, d)), jnp.bfloat16)
     f = jax.jit(lambda q, k, v, tb: ta.paged_attention_triton(
-        q, k, v, tb, jnp.zeros(n, jnp.int32), jnp.arange(n, dtype=jnp.int32), scale=d ** -0.5))
+        q, (k, v), tb, jnp.zeros(n, jnp.int32), jnp.arange(n, dtype=jnp.int32), scale=d ** -0.5))
     ms = median_ms(lambda: f(q, k, v, table), iters=5)
     flops = 4 * hq * d * n * (n + 1) / 2
     out.append(dict(case=f"prefill {n}", impl="triton serial", ms=ms, TFLOPs=flops / (ms * 1e-3) / 1e12))

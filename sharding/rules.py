@@ -1,6 +1,6 @@
-"""Sharding as data: one table maps the dense model's logical axes to mesh axes, per layout.
+"""Sharding as data: one table maps logical axes to mesh axes, per layout.
 
-A weight or activation names its dimensions logically ("embed", "heads", ...); a layout's
+A weight (its ParamSpec) or activation names its dimensions logically ("embed", "heads", ...); a layout's
 ShardingRules says which mesh axis, if any, splits each of them; `logical_to_spec` turns the
 names into a PartitionSpec. Changing a layout is changing one column of RULES_TABLE.
 
@@ -57,30 +57,11 @@ LOGICAL_AXES = tuple(row[0] for row in RULES_TABLE)
 RULES = {layout: ShardingRules(layout=layout, **{row[0]: row[1 + i] for row in RULES_TABLE})
          for i, layout in enumerate(LAYOUTS)}
 
-# The dense model's weights (jengine.models.dense attribute names). Projections are stored
-# [in, out]; q/k/v/o fuse heads and head_dim into one head-major dimension, so splitting it on
-# "heads" gives every rank whole heads.
-DENSE_WEIGHT_AXES: dict[str, tuple[str | None, ...]] = {
-    "embed_tokens": ("vocab", "embed"),
-    "lm_head": ("embed", "vocab"),
-    "norm": ("embed",),
-    "input_layernorm": ("embed",),
-    "post_attention_layernorm": ("embed",),
-    "q_proj": ("embed", "heads"),
-    "k_proj": ("embed", "kv_heads"),
-    "v_proj": ("embed", "kv_heads"),
-    "o_proj": ("heads", "embed"),
-    "q_bias": ("heads",),
-    "k_bias": ("kv_heads",),
-    "v_bias": ("kv_heads",),
-    "q_norm": ("head_dim",),
-    "k_norm": ("head_dim",),
-    "gate_proj": ("embed", "mlp"),
-    "up_proj": ("embed", "mlp"),
-    "down_proj": ("mlp", "embed"),
-}
+# A parameter's logical axes are declared with the parameter (jengine.models.layers.param.ParamSpec,
+# listed by ModelFamily.param_specs); projections fuse heads and head_dim into one head-major
+# dimension, so splitting it on "heads" gives every rank whole heads.
 
-# Its activations over the flat ragged token rows of a step.
+# The dense model's activations over the flat ragged token rows of a step.
 DENSE_ACTIVATION_AXES: dict[str, tuple[str | None, ...]] = {
     "hidden": ("tokens", "embed"),
     "q": ("tokens", "heads", "head_dim"),

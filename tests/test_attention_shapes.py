@@ -89,7 +89,7 @@ class PortableLeaf:
         self._dense = jax.jit(portable.dense_causal_fixed_order, static_argnames="scale")
 
     def paged(self, c, q, tables, req, pos):
-        return np.asarray(self._paged(jnp.asarray(q), c.k_cache, c.v_cache, tables, req, pos,
+        return np.asarray(self._paged(jnp.asarray(q), (c.k_cache, c.v_cache), tables, req, pos,
                                       scale=c.scale))
 
     def dense(self, c):
@@ -114,7 +114,7 @@ class TritonLeaf:
 
     def paged(self, c, q, tables, req, pos, schedule=None):
         out = self.ta.paged_attention_triton_torch(
-            self._t(q), self._t(c.k_cache), self._t(c.v_cache), torch.from_numpy(tables),
+            self._t(q), (self._t(c.k_cache), self._t(c.v_cache)), torch.from_numpy(tables),
             torch.from_numpy(req), torch.from_numpy(pos), scale=c.scale, schedule=schedule)
         return out.float().numpy()
 
@@ -191,7 +191,7 @@ def test_negative_control_a_different_kv_block_changes_portable_rows(monkeypatch
     q, tables, req, pos = c.step_inputs([(0, p) for p in range(200, 232)], N // PAGE)
 
     def run():  # not jitted: jit would reuse the trace made with the old block
-        return np.asarray(portable.paged_fixed_order(jnp.asarray(q), c.k_cache, c.v_cache, tables,
+        return np.asarray(portable.paged_fixed_order(jnp.asarray(q), (c.k_cache, c.v_cache), tables,
                                                      req, pos, scale=c.scale))
 
     before = run()

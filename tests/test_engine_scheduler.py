@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from jengine.config import LaunchConfig
-from jengine.engine.batch import NULL_PAGE, PageCopy, PageRestore, PageSave
+from jengine.engine.batch import PageCopy, PageRestore, PageSave
 from jengine.engine.engine import Engine
 from jengine.engine.kv_manager import KVManager
 from jengine.engine.model_runner import ModelRunner
@@ -31,6 +31,7 @@ from jengine.engine.output_processor import RequestState
 from jengine.engine.request import Req, RetractionImage, SamplingParams, derive_sample_seeds
 from jengine.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from jengine.engine.step_executor import execute_step
+from jengine.models.kv_cache import NULL_PAGE
 
 VOCAB = 32
 MASK = (1 << 64) - 1

@@ -118,7 +118,7 @@ def _run_chunks(q, k_cache, v_cache, pages, seq_len, chunk, extra_pages=0):
     for start in range(0, seq_len, chunk):
         stop = min(seq_len, start + chunk)
         n = stop - start
-        outs.append(np.asarray(_paged(q[start:stop], k_cache, v_cache, jnp.asarray(table[None]),
+        outs.append(np.asarray(_paged(q[start:stop], (k_cache, v_cache), jnp.asarray(table[None]),
                                       jnp.zeros(n, jnp.int32),
                                       jnp.arange(start, stop, dtype=jnp.int32),
                                       scale=D ** -0.5).astype(jnp.float32)))
@@ -163,8 +163,8 @@ def test_native_attention_is_only_close():
     table = jnp.asarray(pages.astype(np.int32)[None])
     req = jnp.zeros(seq_len, jnp.int32)
     pos = jnp.arange(seq_len, dtype=jnp.int32)
-    fixed = _paged(q, k_cache, v_cache, table, req, pos, scale=0.25)
-    native = attention.paged_xla_native(q, k_cache, v_cache, table, req, pos, scale=0.25)
+    fixed = _paged(q, (k_cache, v_cache), table, req, pos, scale=0.25)
+    native = attention.paged_xla_native(q, (k_cache, v_cache), table, req, pos, scale=0.25)
     np.testing.assert_allclose(np.asarray(native, np.float32), np.asarray(fixed, np.float32),
                                rtol=2 ** -7, atol=2 ** -7)
 
@@ -191,36 +191,20 @@ def test_torch_twins_reproduce_the_leaves_bitwise():
     assert count_bit_differences(np.asarray(want), got.float().numpy()) == 0
 
 
-def test_gemm_group_uses_a_leafs_grouped_form_else_one_call_per_member():
-    """ModelKernels.gemm_group: the planned GEMM leaf's `.grouped` where it has one (the Triton
-    leaf's one-launch q/k/v), one gemm call per member otherwise and under a wrapped plan."""
-    import dataclasses
-
+def test_model_kernels_plan_the_grouped_gemm_of_their_gemm_leaf():
+    """ModelKernels plans ("linear", "gemm_group") beside ("linear", "gemm"): the corresponding leaf
+    (same impl), and every grouped output has the bits of its own gemm call."""
     from jengine.models.dense import ModelKernels
 
     kern = ModelKernels.plan_for(dtype=jnp.float32, hardware="cpu",
                                  features=frozenset({"batch_invariant"}))
+    assert kern.gemm_group.leaf.impl == kern.gemm.leaf.impl == "fixed_order"
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((5, 16)), jnp.float32)
     ws = tuple(jnp.asarray(rng.standard_normal((16, n)), jnp.float32) for n in (8, 4))
     alone = [kern.gemm(x, w, out_dtype=jnp.float32) for w in ws]
-    outs = kern.gemm_group(x, ws, out_dtype=jnp.float32)  # fixed_order has no grouped form
+    outs = kern.gemm_group(x, ws, out_dtype=jnp.float32)
     assert [count_bit_differences(a, b) for a, b in zip(alone, outs)] == [0, 0]
-
-    calls = []
-
-    def leaf_fn(x, w, bias=None, *, out_dtype):
-        return kern.gemm(x, w, bias, out_dtype=out_dtype)
-
-    leaf_fn.grouped = lambda x, ws, biases, *, out_dtype: calls.append(len(ws)) or ("grouped",)
-    grouped_plan = dataclasses.replace(kern.gemm, leaf=dataclasses.replace(kern.gemm.leaf,
-                                                                           fn=leaf_fn))
-    assert dataclasses.replace(kern, gemm=grouped_plan).gemm_group(
-        x, ws, out_dtype=jnp.float32) == ("grouped",)
-    assert calls == [2]
-    wrapped = dataclasses.replace(kern, gemm=lambda *a, **k: leaf_fn(*a, **k))  # no .leaf
-    outs = wrapped.gemm_group(x, ws, out_dtype=jnp.float32)
-    assert calls == [2] and [count_bit_differences(a, b) for a, b in zip(alone, outs)] == [0, 0]
 
 
 # -- fixed_order's exact forms: split_product and fixed_exp -----------------------------------------

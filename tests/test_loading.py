@@ -17,8 +17,10 @@ import pytest
 from jengine.cache import cache_root
 from jengine.models import LoadedModel, ModelConfig, load_model
 from jengine.models import tiny
-from jengine.models.config import SUPPORTED_ARCHITECTURES
-from jengine.models.loader import load_safetensors_dir
+from jengine.models.loader import SafetensorsCheckpoint
+from jengine.models.registry import architectures
+
+SUPPORTED_ARCHITECTURES = architectures()
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -26,6 +28,12 @@ transformers = pytest.importorskip("transformers")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SMALL = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def load_safetensors_dir(directory) -> dict[str, np.ndarray]:
+    """Every tensor of a checkpoint (tests only: the engine reads one tensor at a time)."""
+    checkpoint = SafetensorsCheckpoint(directory)
+    return {name: checkpoint.read(name) for name in checkpoint.names()}
 
 
 def bits(array: np.ndarray) -> np.ndarray:
@@ -148,12 +156,27 @@ def test_config_unknown_architecture_lists_supported():
         ModelConfig.from_hf_dict({"model_type": "gpt2", **SMALL})
 
 
+def test_registry_lists_the_families_and_refuses_a_second_registration():
+    from jengine.models import registry
+
+    assert SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    with pytest.raises(ValueError, match="unsupported model architecture 'GPT2LMHeadModel'; "
+                                         "supported: LlamaForCausalLM, Qwen2ForCausalLM, "
+                                         "Qwen3ForCausalLM"):
+        registry.get_family("GPT2LMHeadModel")
+    with pytest.raises(ValueError, match="'LlamaForCausalLM' is already registered"):
+        registry.register_family(registry.get_family("LlamaForCausalLM"))
+
+
 @pytest.mark.parametrize("field, value, pattern", [
     ("hidden_act", "gelu", "hidden_act='gelu'"),
     ("use_sliding_window", True, "use_sliding_window"),
     ("mlp_bias", True, "mlp_bias"),
     ("num_key_value_heads", 3, "num_key_value_heads=3"),
     ("eos_token_id", "x", "eos_token_id"),
+    # MoE / MLA keys belong to other families: a dense family would serve another model.
+    ("num_experts", 8, "num_experts=8 in config.json, but Qwen2ForCausalLM is a dense family"),
+    ("kv_lora_rank", 512, "kv_lora_rank=512"),
 ])
 def test_config_refuses_what_the_model_does_not_implement(field, value, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -210,9 +233,10 @@ def test_sharded_checkpoint_loads_bit_exact(sharded_llama):
     loaded = load_model(str(directory), progress=False)
     assert isinstance(loaded, LoadedModel)
     state = model.state_dict()
-    assert set(loaded.weights) == set(state)
+    assert set(loaded.checkpoint.names()) == set(state)
     for name, tensor in state.items():
-        w = loaded.weights[name]
+        assert loaded.checkpoint.shape(name) == tuple(tensor.shape), name
+        w = loaded.checkpoint.read(name)
         assert w.dtype == ml_dtypes.bfloat16 and w.shape == tuple(tensor.shape), name
         assert np.array_equal(bits(w), torch_bits(tensor)), name
     assert loaded.config.architecture == "LlamaForCausalLM"
@@ -220,10 +244,43 @@ def test_sharded_checkpoint_loads_bit_exact(sharded_llama):
     assert loaded.eos_token_ids == (2,) and loaded.path == str(directory.resolve())
 
 
+def test_model_reads_the_checkpoint_one_tensor_at_a_time(sharded_llama):
+    """Building the model asks the reader for each parameter's tensor once, in the specs' order;
+    the loader holds no tensor itself (no whole-model host dict)."""
+    import jax.numpy as jnp
+
+    from jengine.models.layers.param import CheckpointSource
+    from jengine.models.registry import get_family
+
+    _, directory = sharded_llama
+    loaded = load_model(str(directory), progress=False)
+    assert not hasattr(loaded, "weights")
+
+    class Recording:
+        def __init__(self, reader):
+            self.reader, self.reads = reader, []
+
+        def read(self, name):
+            self.reads.append(name)
+            return self.reader.read(name)
+
+    reader = Recording(loaded.checkpoint)
+    family = get_family(loaded.config.architecture)
+    kernels = family.plan_kernels(dtype=jnp.bfloat16, hardware="cpu")
+    model = family.build(loaded.config, CheckpointSource(reader), dtype=jnp.bfloat16,
+                         kernels=kernels)
+    specs = family.param_specs(loaded.config, dtype=jnp.bfloat16)
+    assert reader.reads == [spec.checkpoint for spec in specs.values()]
+    assert sorted(reader.reads) == sorted(loaded.checkpoint.names())  # untied: every tensor once
+    q = model.named_parameters()["layers.0.self_attn.q_proj.weight"]
+    stored = loaded.checkpoint.read("model.layers.0.self_attn.q_proj.weight")
+    assert np.array_equal(bits(np.asarray(q)), bits(np.ascontiguousarray(stored.T)))  # [in, out]
+
+
 def test_bit_comparison_negative_control(sharded_llama):
     """The comparison above can fail: one flipped low mantissa bit is caught."""
     model, directory = sharded_llama
-    weights = load_safetensors_dir(directory, progress=False)
+    weights = load_safetensors_dir(directory)
     name = "model.layers.1.mlp.down_proj.weight"
     changed = weights[name].copy()
     changed.view(np.uint16)[3, 5] ^= 1
@@ -236,11 +293,11 @@ def test_single_file_fp32_generation_config_and_chat_template(qwen2_fp32):
     loaded = load_model(str(directory), progress=False)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight":  # tied: save_pretrained stores it once, as the embedding
-            assert name not in loaded.weights
+            assert name not in loaded.checkpoint
             continue
-        assert loaded.weights[name].dtype == np.float32
-        assert np.array_equal(bits(loaded.weights[name]), torch_bits(tensor)), name
-    assert "model.layers.0.self_attn.q_proj.bias" in loaded.weights
+        assert loaded.checkpoint.dtype(name) == "float32"
+        assert np.array_equal(bits(loaded.checkpoint.read(name)), torch_bits(tensor)), name
+    assert "model.layers.0.self_attn.q_proj.bias" in loaded.checkpoint
     assert loaded.config.attention_bias and loaded.config.torch_dtype == "float32"
     # generation_config.json's eos wins over config.json's (4)
     assert loaded.eos_token_ids == loaded.config.eos_token_ids == (5, 6)
@@ -332,12 +389,12 @@ def test_split_vocab_checkpoint_loads(tmp_path, qwen2_fp32):
 
     d = copy_dir(qwen2_fp32[1], tmp_path / "m")
     patch_config(d, output_vocab_size=600, tie_word_embeddings=False)
-    weights = load_safetensors_dir(d, progress=False)
+    weights = load_safetensors_dir(d)
     weights["lm_head.weight"] = weights["model.embed_tokens.weight"][:600].copy()
     save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
     loaded = load_model(str(d), progress=False)
     assert (loaded.config.input_vocab_size, loaded.config.vocab_size) == (1000, 600)
-    assert loaded.weights["lm_head.weight"].shape == (600, 64)
+    assert loaded.checkpoint.shape("lm_head.weight") == (600, 64)
 
 
 def test_never_runs_code_from_the_model_dir(tmp_path, qwen2_fp32):
@@ -367,7 +424,7 @@ def test_tiny_generation_is_deterministic_and_pinned(tmp_path, tiny_dir):
 def test_tiny_pin_check_negative_control(tmp_path, tiny_dir):
     d = copy_dir(tiny_dir, tmp_path / "m")
     from safetensors.numpy import save_file
-    weights = load_safetensors_dir(d, progress=False)
+    weights = load_safetensors_dir(d)
     weights["model.norm.weight"].view(np.uint16)[0] ^= 1
     save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(RuntimeError, match="model.safetensors has SHA-256"):
@@ -384,8 +441,8 @@ def test_tiny_config_and_weights(tiny_dir):
     assert (c.rope_theta, c.rope_scaling, c.max_position_embeddings) == (10000.0, None, 2048)
     tok = loaded.tokenizer
     assert loaded.eos_token_ids == (tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>"))
-    assert all(w.dtype == ml_dtypes.bfloat16 for w in loaded.weights.values())
-    assert "lm_head.weight" not in loaded.weights
+    assert {loaded.checkpoint.dtype(n) for n in loaded.checkpoint.names()} == {"bfloat16"}
+    assert "lm_head.weight" not in loaded.checkpoint
 
 
 def test_tiny_by_name_uses_the_cache_dir(tmp_path, monkeypatch):
@@ -429,10 +486,11 @@ def test_tiny_loads_in_transformers(tiny_dir):
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir)
     assert type(model).__name__ == "Qwen3ForCausalLM" and model.dtype == torch.bfloat16
     state = model.state_dict()
-    assert set(state) == set(loaded.weights) | {"lm_head.weight"}
-    for name, w in loaded.weights.items():
+    weights = load_safetensors_dir(tiny_dir)
+    assert set(state) == set(weights) | {"lm_head.weight"}
+    for name, w in weights.items():
         assert np.array_equal(bits(w), torch_bits(state[name])), name
-    assert np.array_equal(torch_bits(state["lm_head.weight"]), bits(loaded.weights["model.embed_tokens.weight"]))
+    assert np.array_equal(torch_bits(state["lm_head.weight"]), bits(weights["model.embed_tokens.weight"]))
     with torch.no_grad():
         logits = model(torch.tensor([[1, 2, 3, 4000, 32767]])).logits
     assert logits.shape == (1, 5, 32768) and bool(torch.isfinite(logits).all())

@@ -270,11 +270,12 @@ def test_apply_after_backend_start_is_refused_unless_flags_match():
 
 @dataclass(frozen=True)
 class FakeModelConfig:
-    """The fields check_model reads (ModelConfig has them; MoE families add num_experts)."""
+    """The ModelConfig fields check_model reads."""
 
     architecture: str = "LlamaForCausalLM"
     vocab_size: int = 65536
     quantization_config: dict | None = None
+    torch_dtype: str = "bfloat16"
     num_experts: int = 0
 
 

@@ -1,4 +1,4 @@
-"""RoPE inverse frequencies: HF's formulas as torch evaluates them (jengine/models/rope.py).
+"""RoPE inverse frequencies: HF's formulas as torch evaluates them (jengine/models/layers/rope.py).
 
 On the CPU, HF's own ``ROPE_INIT_FUNCTIONS`` run in torch under trainer mode (which routes torch's
 pow to XLA's, the one transcendental function in them) must give the engine's frequencies bit for
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jengine.models.rope import TorchF32, inv_freq_and_scaling, rope_tables
+from jengine.models.layers.rope import TorchF32, inv_freq_and_scaling, rope_tables
 from tests.bits import count_bit_differences
 
 torch = pytest.importorskip("torch")
@@ -70,7 +70,7 @@ def test_negative_control_cuda_spelling_differs_on_a_scalar_divisor():
     cuda = TorchF32("cuda", None)
     x = np.linspace(0.1, 9.0, 4096, dtype=np.float32)
     assert count_bit_differences(cpu.div(x, 3.5), cuda.div(x, 3.5)) > 0
-    import jengine.models.rope as rope
+    import jengine.models.layers.rope as rope
 
     original = rope.semantics_of
     rope.semantics_of = lambda where: "cuda"

@@ -21,9 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 from sharding.collectives import OP_KINDS, ordered_all_reduce, ordered_reduce_scatter, route
 from sharding.mesh import MESH_AXES, MeshShape, make_mesh, mesh_shape, use_mesh
-from sharding.rules import (DENSE_ACTIVATION_AXES, DENSE_WEIGHT_AXES, LAYOUTS, LOGICAL_AXES,
-                            RULES, RULES_TABLE, ShardingRules, check_divisible, layout_for,
-                            logical_to_spec, rules_for)
+from sharding.rules import (DENSE_ACTIVATION_AXES, LAYOUTS, LOGICAL_AXES, RULES, RULES_TABLE,
+                            ShardingRules, check_divisible, layout_for, logical_to_spec, rules_for)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -184,18 +183,69 @@ def test_rules_table_is_the_one_source():
     assert layout_for(1) == "replicated" and layout_for(4) == "tensor_parallel"
 
 
-def test_logical_to_spec_tensor_parallel():
+# A small config of every family with every optional parameter (q/k/v/o biases, an untied head;
+# Qwen3 adds the q/k norms): the parameters' own specs are the weight table.
+FAMILY_CONFIG = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=4, max_position_embeddings=16, vocab_size=32,
+                     attention_bias=True, tie_word_embeddings=False, torch_dtype="float32")
+
+
+def _family_config(architecture):
+    from jengine.models.config import ModelConfig
+
+    return ModelConfig.from_hf_dict({**FAMILY_CONFIG, "architectures": [architecture]})
+
+
+@pytest.fixture(scope="module")
+def weight_axes():
+    """Every dense parameter's logical axes, by path, read from the Qwen3 family's specs."""
+    from jengine.models.registry import get_family
+
+    cfg = _family_config("Qwen3ForCausalLM")
+    return {path: spec.axes
+            for path, spec in get_family(cfg.architecture).param_specs(cfg, dtype=jnp.float32).items()}
+
+
+def test_logical_to_spec_tensor_parallel(weight_axes):
     tp = RULES["tensor_parallel"]
-    spec = {name: logical_to_spec(axes, tp) for name, axes in DENSE_WEIGHT_AXES.items()}
-    assert spec["q_proj"] == P(None, "tensor")  # column parallel
-    assert spec["o_proj"] == P("tensor", None)  # row parallel: its output is a cross-rank sum
-    assert spec["down_proj"] == P("tensor", None)
-    assert spec["embed_tokens"] == P("tensor", None)
-    assert spec["lm_head"] == P(None, "tensor")
-    assert spec["input_layernorm"] == P(None)
+    spec = {name: logical_to_spec(axes, tp) for name, axes in weight_axes.items()}
+    assert spec["layers.0.self_attn.q_proj.weight"] == P(None, "tensor")  # column parallel
+    # row parallel: its output is a cross-rank sum
+    assert spec["layers.0.self_attn.o_proj.weight"] == P("tensor", None)
+    assert spec["layers.0.mlp.down_proj.weight"] == P("tensor", None)
+    assert spec["embed_tokens.weight"] == P("tensor", None)
+    assert spec["lm_head.weight"] == P(None, "tensor")
+    assert spec["layers.0.input_layernorm.weight"] == P(None)
     assert logical_to_spec(DENSE_ACTIVATION_AXES["q"], tp) == P("data", "tensor", None)
-    for axes in DENSE_WEIGHT_AXES.values():
+    for axes in weight_axes.values():
         assert all(a is None for a in logical_to_spec(axes, RULES["replicated"]))
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen2ForCausalLM",
+                                          "Qwen3ForCausalLM"])
+def test_every_parameter_has_a_spec_the_rules_resolve(architecture):
+    """The model built from its specs (random weights: the bench's path) holds exactly the
+    specified parameters, each of its spec's shape and dtype, and every spec's logical axes
+    resolve under every layout."""
+    from jengine.models.layers.param import RandomSource
+    from jengine.models.registry import get_family
+
+    cfg = _family_config(architecture)
+    family = get_family(architecture)
+    specs = family.param_specs(cfg, dtype=jnp.float32)
+    kernels = family.plan_kernels(dtype=jnp.float32, hardware="cpu")
+    model = family.build(cfg, RandomSource(seed=0), dtype=jnp.float32, kernels=kernels)
+    params = model.named_parameters()
+    assert list(params) == list(specs)
+    for path, spec in specs.items():
+        assert (params[path].shape, params[path].dtype) == (spec.shape, spec.dtype), path
+        assert spec.checkpoint.startswith(("model.", "lm_head.")), path
+        for layout in LAYOUTS:
+            assert len(logical_to_spec(spec.axes, rules_for(layout))) == len(spec.shape), path
+    qk_norm = any(p.endswith("q_norm.weight") for p in specs)
+    assert qk_norm == (architecture == "Qwen3ForCausalLM")
+    o_bias = "layers.0.self_attn.o_proj.bias" in specs
+    assert o_bias == (architecture != "Qwen2ForCausalLM")  # Qwen2 never biases o_proj
 
 
 @pytest.mark.parametrize("call, error", [
@@ -209,38 +259,14 @@ def test_rules_refuse_bad_input(call, error):
         call()
 
 
-def test_check_divisible_names_the_array_and_axis():
+def test_check_divisible_names_the_array_and_axis(weight_axes):
     # check_divisible reads only mesh.shape; a 4-way "tensor" axis needs no 4 devices here.
     mesh = types.SimpleNamespace(shape={"data": 1, "expert": 1, "tensor": 4})
     tp = RULES["tensor_parallel"]
-    check_divisible("q_proj", (64, 64), DENSE_WEIGHT_AXES["q_proj"], tp, mesh)
+    check_divisible("q_proj", (64, 64), weight_axes["layers.0.self_attn.q_proj.weight"], tp, mesh)
     with pytest.raises(ValueError, match=r"k_proj: dim 1 \(kv_heads\) has size 6, not a "
                                          r"multiple of mesh axis 'tensor' of size 4"):
-        check_divisible("k_proj", (64, 6), DENSE_WEIGHT_AXES["k_proj"], tp, mesh)
+        check_divisible("k_proj", (64, 6), weight_axes["layers.0.self_attn.k_proj.weight"], tp,
+                        mesh)
     with pytest.raises(ValueError, match=r"norm: shape \(64, 2\) has 2 dims"):
-        check_divisible("norm", (64, 2), DENSE_WEIGHT_AXES["norm"], tp, mesh)
-
-
-def test_weight_table_matches_the_dense_model():
-    """Every parameter of a dense decoder layer has an entry of its rank (catches renames)."""
-    from flax import nnx
-
-    from jengine.models.dense import DecoderLayer
-
-    h, hq, hkv, d, m = 8, 2, 1, 4, 16
-    shapes = {"input_layernorm": (h,), "post_attention_layernorm": (h,),
-              "self_attn.q_proj": (hq * d, h), "self_attn.k_proj": (hkv * d, h),
-              "self_attn.v_proj": (hkv * d, h), "self_attn.o_proj": (h, hq * d),
-              "self_attn.q_norm": (d,), "self_attn.k_norm": (d,),
-              "self_attn.q_proj.bias": (hq * d,), "self_attn.k_proj.bias": (hkv * d,),
-              "self_attn.v_proj.bias": (hkv * d,),
-              "mlp.gate_proj": (m, h), "mlp.up_proj": (m, h), "mlp.down_proj": (h, m)}
-    weights = {f"model.layers.0.{k}" + ("" if k.endswith(".bias") else ".weight"):
-               np.zeros(s, np.float32) for k, s in shapes.items()}
-    cfg = types.SimpleNamespace(attention_bias=True, qk_norm=True)
-    layer = DecoderLayer(cfg, weights, 0, jnp.float32)
-    params = {name: value for name, value in vars(layer).items() if isinstance(value, nnx.Param)}
-    assert len(params) == len(shapes)
-    for name, param in params.items():
-        assert name in DENSE_WEIGHT_AXES, name
-        assert len(DENSE_WEIGHT_AXES[name]) == param[...].ndim, name
+        check_divisible("norm", (64, 2), weight_axes["norm.weight"], tp, mesh)

@@ -52,7 +52,7 @@ def _step(q_rows, table, rows, schedule=None):
     """rows: list of (request, position) in step order -> output [T, HQ, D] (numpy)."""
     req = torch.tensor([r for r, _ in rows], dtype=torch.int32)
     pos = torch.tensor([p for _, p in rows], dtype=torch.int32)
-    return ta.paged_attention_triton_torch(q_rows, *table, req, pos, scale=SCALE,
+    return ta.paged_attention_triton_torch(q_rows, table[:2], table[2], req, pos, scale=SCALE,
                                            schedule=schedule).numpy()
 
 

@@ -47,48 +47,16 @@ def _median_time(fn, iters: int, warmup: int = 2, back_to_back: int = 1, sync=No
 
 
 def _random_llama(base: dict, vocab: int):
-    """(a LoadedModel-like object, the `dense._param` stand-in that makes its weights): weights are
-    created on the device, never on the host, while the stand-in replaces dense._param."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-
-    import jengine.models.dense as dense
+    """A LoadedModel-like object whose checkpoint is random weights made from the model's own
+    parameter specs, on the device (jengine.models.layers.param.RandomSource)."""
     from jengine.models.config import ModelConfig
-
-    cfg = ModelConfig.from_hf_dict({**base, "vocab_size": vocab})
-    h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * cfg.head_dim
-    shapes = {"embed_tokens": (vocab, h), "q_proj": (h, h), "k_proj": (kv, h), "v_proj": (kv, h),
-              "o_proj": (h, h), "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
-    counter = iter(range(10**6))
-
-    def random_param(weights, name, dtype, transpose=False):  # replaces dense._param
-        stem = name.split(".")[-2]
-        shape = shapes.get(stem, (h,))  # norms are [H]
-        if transpose:
-            shape = shape[::-1]
-        key = jax.random.key(next(counter))
-        scale = 1.0 if len(shape) == 1 else shape[-1] ** -0.5 if not transpose else shape[0] ** -0.5
-        return nnx.Param((jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype))
-
-    # The LM head is read with np.asarray by the model; a tiled host block keeps that cheap.
-    block = (np.random.default_rng(0).standard_normal((1024, h)) * h ** -0.5).astype(jnp.bfloat16)
-
-    class Weights(dict):
-        def __contains__(self, key):
-            return key == "lm_head.weight" or dict.__contains__(self, key)
-
-        def __getitem__(self, key):
-            if key == "lm_head.weight":
-                return np.tile(block, (-(-vocab // 1024), 1))[:vocab]
-            raise KeyError(key)
+    from jengine.models.layers.param import RandomSource
 
     class Loaded:
-        config = cfg
-        weights = Weights()
+        config = ModelConfig.from_hf_dict({**base, "vocab_size": vocab})
+        checkpoint = RandomSource(seed=0)
         eos_token_ids = (128001,)
-    return Loaded(), random_param
+    return Loaded()
 
 
 def _pages(tokens: int, page_size: int) -> int:
@@ -104,9 +72,6 @@ def _pool_tokens(rows, page_size: int) -> int:
 def random_runner(shape: str, numerics: str, launch):
     """Resolve the launch, set its XLA flags (before JAX starts), build a ModelRunner of the bench
     `shape` on random weights (rl-bitwise pads the vocabulary). Returns (runner, resolved, loaded)."""
-    from unittest import mock
-
-    import jengine.models.dense as dense
     from jengine.numerics import resolve_launch
 
     resolved = resolve_launch(launch)
@@ -116,10 +81,9 @@ def random_runner(shape: str, numerics: str, launch):
     from jengine.profiles import override_profile
 
     base, padded = SHAPES[shape]
-    loaded, random_param = _random_llama(base, padded if numerics != "auto" else base["vocab_size"])
+    loaded = _random_llama(base, padded if numerics != "auto" else base["vocab_size"])
     # Timing only: random weights prove nothing about the contract, so the model's verification
     # gate (require_verified_numerics) is overridden while this runner is built, and nothing else.
-    with override_profile(base["architectures"][0], numerics_envelopes={numerics}), \
-            mock.patch.object(dense, "_param", random_param):
+    with override_profile(base["architectures"][0], numerics_envelopes={numerics}):
         runner = ModelRunner(loaded, resolved)
     return runner, resolved, loaded

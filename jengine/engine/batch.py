@@ -5,9 +5,8 @@ The model never sees requests, only rows. Every value computed for a row depends
 token, position and its request's KV pages, never on which other rows share the step: that is the
 property rl-bitwise's batch invariance is built on.
 
-Page 0 of the KV pool is the *null page*: padding rows and padded block-table entries point there.
-No real request ever owns page 0, so a row that maps to it is a padding row: its K/V write is
-dropped (jengine/models/dense.py) and nothing real is ever read from it.
+Padding rows and padded block-table entries point at the KV pool's null page (`NULL_PAGE`,
+defined with the KV cache spec in jengine/models/kv_cache.py, re-exported here for the scheduler).
 """
 
 from __future__ import annotations
@@ -19,8 +18,6 @@ import numpy as np
 
 if TYPE_CHECKING:
     from jengine.engine.request import RetractionImage
-
-NULL_PAGE = 0
 
 
 @dataclass

@@ -1,11 +1,11 @@
 """The KV page pool: a free list and a reference count per page.
 
-The device holds one preallocated K/V buffer per layer, `num_pages` pages of `page_size` token slots
-each (the runner owns the bytes). This class owns only the bookkeeping: which pages are free and how
+The device holds the pool the model's KV cache spec declares, `num_pages` pages of `page_size`
+token slots each (the runner owns the bytes). This class owns only the bookkeeping: which pages are free and how
 many holders each used page has. A page is held by the requests whose page tables list it and by the
 prefix-cache node that stores it; it returns to the free list when the last holder lets go.
 
-Page 0 is the null page (jengine.engine.batch.NULL_PAGE): padding writes land there, so it is never
+Page 0 is the null page (jengine.models.kv_cache.NULL_PAGE): padding writes land there, so it is never
 handed out. The free list is FIFO: a page freed now is reused last, which keeps a retracted request's
 fresh pages distinct from the ones it gave back (the byte-copy oracle would prove less otherwise).
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
-from jengine.engine.batch import NULL_PAGE
+from jengine.models.kv_cache import NULL_PAGE
 
 
 class KVManager:

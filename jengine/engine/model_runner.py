@@ -1,5 +1,9 @@
 """The model runner: weights, the paged KV pool, and the jitted step over fixed shape buckets.
 
+It knows models only through the registry (jengine/models/registry.py): the family builds the
+model from a weight source, plans its kernels, and declares the KV cache spec the pool is
+allocated from (jengine/models/kv_cache.py).
+
 The scheduler hands over a `StepBatch` of exact sizes; the runner pads it to a (tokens, pages)
 bucket so the number of compiled programs stays small, runs the jitted forward with the KV pool
 donated (updated in place), and returns the hidden states of the rows the caller asked for.
@@ -19,8 +23,11 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from jengine.engine.batch import NULL_PAGE, StepBatch
-from jengine.models.dense import DenseDecoder, ModelKernels
+from jengine.engine.batch import StepBatch
+from jengine.engine.kv_pool import KVPool
+from jengine.models.kv_cache import NULL_PAGE
+from jengine.models.layers.param import weight_source
+from jengine.models.registry import get_family
 from jengine.numerics import check_model
 from pallas_kernels.fixed_order import next_pow2
 
@@ -42,18 +49,21 @@ def model_dtype(launch_dtype: str, checkpoint_dtype: str | None):
 
 class ModelRunner:
     def __init__(self, loaded, resolved):
+        """loaded: `.config` (a ModelConfig) and `.checkpoint` -- a checkpoint reader (LoadedModel),
+        a mapping of HF tensor name -> array, or a weight source such as RandomSource (the bench)."""
         cfg = loaded.config
         launch = resolved.config
         # Everything the envelope needs from the model is checked here, once, never per forward.
         check_model(resolved, cfg)
         self.model_config = cfg
         self.resolved = resolved
+        self.family = get_family(cfg.architecture)
         self.dtype = model_dtype(launch.dtype, cfg.torch_dtype or "bfloat16")
-        self.kernels = ModelKernels.plan_for(dtype=self.dtype, hardware=resolved.hardware,
-                                             features=resolved.required_features,
-                                             head_dim=cfg.head_dim)
+        self.kernels = self.family.plan_kernels(dtype=self.dtype, hardware=resolved.hardware,
+                                                features=resolved.required_features,
+                                                head_dim=cfg.head_dim)
         logger.info("kernel plans: %s", self.kernels.describe())
-        self._graphdef, state = nnx.split(self._build_model(loaded.weights))
+        self._graphdef, state = nnx.split(self._build_model(loaded.checkpoint))
         # The jitted programs take the parameters as one flat tuple: jit flattens a tuple of arrays
         # in C++, an nnx.State (hundreds of leaves) through Python callbacks -- host time each step.
         self._params, self._state_def = jax.tree.flatten(state)
@@ -65,69 +75,52 @@ class ModelRunner:
         self.max_pages_per_request = -(-self.max_context // self.page_size)
         total_tokens = launch.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS
         self.num_pages = total_tokens // self.page_size + 1  # + the null page
-        # One array per layer, not one [L, ...] array: each layer's scatter then updates its own
-        # donated buffer in place. With one stacked array XLA rebuilt (concatenated) the whole pool
-        # every step -- seen in the compiled HLO, and ~2x the pool's bytes of traffic per step.
-        layer_shape = (self.num_pages, self.page_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.k_cache = tuple(jnp.zeros(layer_shape, self.dtype) for _ in range(cfg.num_hidden_layers))
-        self.v_cache = tuple(jnp.zeros(layer_shape, self.dtype) for _ in range(cfg.num_hidden_layers))
+        # The pool, as the model's KV cache spec lays it out: per layer, one array per component
+        # (K and V), not one [L, ...] array: each layer's scatter then updates its own donated
+        # buffer in place. With one stacked array XLA rebuilt (concatenated) the whole pool every
+        # step -- seen in the compiled HLO, and ~2x the pool's bytes of traffic per step.
+        self.kv_pool = KVPool(self.family.kv_cache_spec(cfg), num_pages=self.num_pages,
+                              page_size=self.page_size, dtype=self.dtype)
         self.max_step_tokens = launch.max_prefill_tokens + launch.max_running_requests
 
-        self._forward = jax.jit(self._forward_impl, donate_argnums=(1, 2))
+        self._forward = jax.jit(self._forward_impl, donate_argnums=(1,))
         self._logits_rows = jax.jit(self._logits_rows_impl)
-        self._copy = jax.jit(self._copy_impl, donate_argnums=(0, 1))
-        self._write = jax.jit(self._write_impl, donate_argnums=(0, 1))
 
-    def _build_model(self, weights: dict) -> DenseDecoder:
+    def _build_model(self, weights):
         launch = self.resolved.config
-        return DenseDecoder(self.model_config, weights, dtype=self.dtype, kernels=self.kernels,
-                            layer_boundary_norm=launch.layer_boundary_norm,
-                            rope_frequency_device=launch.yarn_frequency_device,
-                            rope_ramp_device=launch.yarn_ramp_mask_device)
+        return self.family.build(self.model_config, weight_source(weights), dtype=self.dtype,
+                                 kernels=self.kernels,
+                                 layer_boundary_norm=launch.layer_boundary_norm,
+                                 rope_frequency_device=launch.yarn_frequency_device,
+                                 rope_ramp_device=launch.yarn_ramp_mask_device)
 
-    def load_weights(self, weights: dict) -> None:
-        """Swap in new HF-named weights of the same shapes (a trainer's handoff after a step).
+    def param_specs(self) -> dict:
+        """Every parameter's ParamSpec (path -> spec) of this runner's model."""
+        return self.family.param_specs(self.model_config, dtype=self.dtype)
 
-        The model is rebuilt with the frozen kernel plans and only its parameter state replaces
-        the old one, so the compiled step programs are reused. The KV pool is not touched: the
-        caller flushes cached prefixes, which were computed with the old weights.
+    def load_weights(self, weights) -> None:
+        """Swap in new weights of the same shapes (a trainer's handoff after a step): a mapping
+        of HF tensor name -> array, a checkpoint reader, or a weight source -- the same path the
+        model was first loaded through, one tensor at a time.
+
+        The model is rebuilt from the runner's config with the frozen kernel plans, so it has
+        the same structure; each tensor is checked against its spec (name, shape) as it is read.
+        Only the parameter state replaces the old one, so the compiled step programs are reused.
+        The KV pool is not touched: the caller flushes cached prefixes, which were computed with
+        the old weights.
         """
-        graphdef, state = nnx.split(self._build_model(weights))
-        params, state_def = jax.tree.flatten(state)
-        if graphdef != self._graphdef or state_def != self._state_def:
-            raise ValueError("the new weights build a different model structure than the runner's "
-                             "(layer count, biases or tied head differ)")
-        for i, (a, b) in enumerate(zip(self._params, params)):
-            if a.shape != b.shape or a.dtype != b.dtype:
-                raise ValueError(f"parameter {i}: new {b.dtype}{list(b.shape)} does not match the "
-                                 f"runner's {a.dtype}{list(a.shape)}")
-        self._params = tuple(params)
+        _, state = nnx.split(self._build_model(weights))
+        self._params = tuple(jax.tree.leaves(state))
 
-    @property
-    def state(self):
-        """The model's parameters as an nnx.State (for tools that rebuild the model, e.g. bisect)."""
-        return jax.tree.unflatten(self._state_def, self._params)
-
-    def _model(self, params) -> DenseDecoder:
+    def _model(self, params):
         return nnx.merge(self._graphdef, jax.tree.unflatten(self._state_def, params))
 
     # -- jitted bodies ----------------------------------------------------------------------------
-    def _forward_impl(self, params, k_cache, v_cache, input_ids, positions, token_req,
-                      block_tables):
-        return self._model(params)(input_ids, positions, token_req, block_tables, k_cache, v_cache)
+    def _forward_impl(self, params, kv, input_ids, positions, token_req, block_tables):
+        return self._model(params)(input_ids, positions, token_req, block_tables, kv)
 
     def _logits_rows_impl(self, params, hidden, rows):
         return self._model(params).compute_logits(hidden[rows])
-
-    @staticmethod
-    def _copy_impl(k_cache, v_cache, src, dst):
-        return (tuple(k.at[dst].set(k[src]) for k in k_cache),
-                tuple(v.at[dst].set(v[src]) for v in v_cache))
-
-    @staticmethod
-    def _write_impl(k_cache, v_cache, pages, k_data, v_data):
-        return (tuple(k.at[pages].set(d) for k, d in zip(k_cache, k_data)),
-                tuple(v.at[pages].set(d) for v, d in zip(v_cache, v_data)))
 
     # -- the step ---------------------------------------------------------------------------------
     def forward(self, batch: StepBatch) -> jax.Array:
@@ -157,8 +150,9 @@ class ModelRunner:
         positions[:t] = batch.positions
         token_req[:t] = batch.token_req
         block_tables[:r, :p] = batch.block_tables
-        hidden, self.k_cache, self.v_cache = self._forward(
-            self._params, self.k_cache, self.v_cache, input_ids, positions, token_req, block_tables)
+        pool = self.kv_pool
+        hidden, pool.arrays = self._forward(self._params, pool.arrays, input_ids, positions,
+                                            token_req, block_tables)
         return hidden
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
@@ -177,21 +171,42 @@ class ModelRunner:
 
     # -- page images (prefix-cache copy-on-write, retraction) --------------------------------------
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
-        if src:
-            self.k_cache, self.v_cache = self._copy(self.k_cache, self.v_cache,
-                                                    np.asarray(src, np.int32), np.asarray(dst, np.int32))
+        self.kv_pool.copy(src, dst)
 
     def read_pages(self, pages: list[int]) -> np.ndarray:
-        """The exact bytes of those pages, K then V: [2, L, n, page_size, Hkv, D]."""
-        idx = jnp.asarray(pages, jnp.int32)
-        return np.stack([np.stack([np.asarray(c[idx]) for c in cache])
-                         for cache in (self.k_cache, self.v_cache)])
+        """The exact bytes of those pages (KVPool.read: for K/V pages [2, L, n, page_size, Hkv, D])."""
+        return self.kv_pool.read(pages)
 
     def write_pages(self, pages: list[int], data: np.ndarray) -> None:
-        if len(pages):
-            self.k_cache, self.v_cache = self._write(self.k_cache, self.v_cache,
-                                                     np.asarray(pages, np.int32),
-                                                     jnp.asarray(data[0]), jnp.asarray(data[1]))
+        self.kv_pool.write(pages, data)
+
+    # -- inspection (interop/bisect.py) -------------------------------------------------------------
+    def forward_sequence(self, ids, *, instrument=None):
+        """(final-norm hidden [T, H], extra) of one sequence at positions 0..T-1, on a private
+        zeroed KV pool (never the engine's).
+
+        instrument=None: the real step program; extra is None. Else `instrument(model)` is called
+        inside a fresh jit with the rebuilt model before its forward -- it may wrap the model's
+        kernel plans, and read `model.named_parameters()` -- and returns `finish`; `finish()` runs
+        after the forward and its (pytree of arrays) value is returned as extra.
+        """
+        ids = np.asarray(ids, np.int32)
+        t = len(ids)
+        pages = -(-t // self.page_size)
+        inputs = (ids, np.arange(t, dtype=np.int32), np.zeros(t, np.int32),
+                  np.arange(1, pages + 1, dtype=np.int32)[None])  # ids, positions, req, table
+        kv = self.kv_pool.spec.allocate(pages + 1, self.page_size, self.dtype)
+        if instrument is None:
+            hidden, _ = self._forward(self._params, kv, *inputs)
+            return hidden, None
+
+        def run(params, kv, *inputs):
+            model = self._model(params)
+            finish = instrument(model)
+            hidden, _ = model(*inputs, kv)
+            return hidden, finish()
+
+        return jax.jit(run)(self._params, kv, *inputs)
 
     # -- startup ----------------------------------------------------------------------------------
     def token_buckets(self) -> list[int]:
@@ -209,9 +224,9 @@ class ModelRunner:
         for t, p in tqdm(combos, desc="compiling step buckets", unit="bucket"):
             # A real call (not .lower().compile()) so the jit dispatch cache is filled; every row is
             # padding, so no K/V is written.
-            _, self.k_cache, self.v_cache = self._forward(
-                self._params, self.k_cache, self.v_cache, np.zeros(t, np.int32),
-                np.zeros(t, np.int32), np.zeros(t, np.int32), np.full((t, p), NULL_PAGE, np.int32))
+            _, self.kv_pool.arrays = self._forward(
+                self._params, self.kv_pool.arrays, np.zeros(t, np.int32), np.zeros(t, np.int32),
+                np.zeros(t, np.int32), np.full((t, p), NULL_PAGE, np.int32))
         seconds = time.perf_counter() - start
         logger.info("compiled %d step buckets in %.1f s", len(combos), seconds)
         return seconds

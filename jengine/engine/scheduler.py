@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jengine.engine.batch import (NULL_PAGE, KVTransfer, PageCopy, PageRestore, PageSave,
-                                  StepBatch)
+from jengine.engine.batch import KVTransfer, PageCopy, PageRestore, PageSave, StepBatch
 from jengine.engine.kv_manager import KVManager
 from jengine.engine.prefix_cache import PrefixCache
 from jengine.engine.request import Req, ReqStatus, RetractionImage
+from jengine.models.kv_cache import NULL_PAGE
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,22 @@
-"""`ModelConfig`: the runtime's view of a Hugging Face `config.json` (dense decoder families).
+"""`ModelConfig`: the runtime's view of a Hugging Face `config.json`.
 
 `ModelConfig.from_hf_dict` reads the checkpoint's `config.json` (as written by transformers 4.x or
-5.x) and normalises the few places where the families and the transformers versions disagree:
+5.x) and normalises the few places where the families and the transformers versions disagree.
+The fields every family shares are read here; what is particular to a family (Qwen2's always-on
+qkv bias, Qwen3's q/k norm, the o_proj bias rule, refused options) is the family's
+`parse_config` (jengine/models/{llama,qwen2,qwen3}.py), found through jengine/models/registry.py:
 
-- architecture: `architectures[0]`, or the family named by `model_type` when `architectures` is
-  null (what `PretrainedConfig.to_dict()` gives for a config built in code);
+- architecture: the first registered name in `architectures`, or the family of `model_type` when
+  `architectures` is null (what `PretrainedConfig.to_dict()` gives for a config built in code);
 - head_dim: the config's `head_dim`, else hidden_size // num_attention_heads;
-- attention_bias: Qwen2 always has q/k/v biases; Llama and Qwen3 follow `attention_bias`;
 - rope: transformers 5 moved `rope_theta` and `rope_scaling` into `rope_parameters`; both layouts
   become `rope_theta` plus `rope_scaling` = None (plain RoPE) or {"rope_type": ..., params};
 - vocabularies: the spec's "Input and output vocabularies" section. The checkpoint's `vocab_size`
   is the embedding size (runtime `input_vocab_size`); its optional `output_vocab_size` is the head
   size (runtime `vocab_size`); missing or null means equal.
+
+The MoE and MLA fields are declared with their dense defaults (0: no experts, no latent
+attention) so that checks read fields, not probes; no registered family sets them yet.
 
 The Hugging Face dict itself is never rewritten.
 """
@@ -23,14 +28,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-
-# `model_type` -> architecture, used only when `architectures` is missing or null.
-_MODEL_TYPE_TO_ARCHITECTURE = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+from jengine.models import registry
 
 _DEFAULT_ROPE_THETA = 10000.0
 
@@ -54,7 +52,7 @@ def check_vocab_sizes(input_vocab_size: Any, vocab_size: Any) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str               # HF class name, one of SUPPORTED_ARCHITECTURES
+    architecture: str               # HF class name, a registered family (jengine.models.registry)
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -68,12 +66,24 @@ class ModelConfig:
     vocab_size: int                 # OUTPUT vocabulary: LM head rows, sampling, logprob targets
     input_vocab_size: int           # embedding rows, input token bounds
     tie_word_embeddings: bool
-    attention_bias: bool            # q/k/v projection biases (see attention_output_bias for o_proj)
+    attention_bias: bool            # q/k/v projection biases
     qk_norm: bool                   # per-head RMSNorm on q and k (Qwen3)
     torch_dtype: str                # "bfloat16", "float16", "float32" (no "torch." prefix)
     quantization_config: dict | None  # present = quantized checkpoint
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    attention_output_bias: bool = False  # o_proj bias (the family's rule from attention_bias)
+    # MoE (0 = dense): routed experts, experts per token, each expert's MLP width.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    # MLA (0 = plain GQA): latent KV width, query low-rank width, rotary / non-rotary q-k head
+    # widths, value head width.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         check_vocab_sizes(self.input_vocab_size, self.vocab_size)
@@ -83,8 +93,12 @@ class ModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(_unsupported_architecture_message(self.architecture))
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "kv_lora_rank",
+                     "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        registry.get_family(self.architecture)  # raises listing the registered architectures
 
     # Frozen dataclasses hash their fields; two are dicts, so hash their canonical JSON instead.
     # (Lets a ModelConfig be a static argument or a cache key.)
@@ -104,16 +118,11 @@ class ModelConfig:
         """True when the LM head is smaller than the embedding (spec: reduced head)."""
         return self.vocab_size != self.input_vocab_size
 
-    @property
-    def attention_output_bias(self) -> bool:
-        """o_proj bias: Llama and Qwen3 put `attention_bias` on o_proj too; Qwen2 never does."""
-        return self.attention_bias and self.architecture != "Qwen2ForCausalLM"
-
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
         """Build from a parsed HF `config.json` (or `PretrainedConfig.to_dict()`)."""
-        architecture = _architecture(d)
-        _refuse_unsupported_features(d, architecture)
+        architecture = registry.architecture_of(d)
+        family_fields = registry.get_family(architecture).parse_config(d)
 
         hidden_size = _required(d, "hidden_size")
         num_attention_heads = _required(d, "num_attention_heads")
@@ -125,11 +134,6 @@ class ModelConfig:
                 raise ValueError(f"config.json has no head_dim and hidden_size={hidden_size} is not "
                                  f"a multiple of num_attention_heads={num_attention_heads}")
             head_dim = hidden_size // num_attention_heads
-
-        if architecture == "Qwen2ForCausalLM":
-            attention_bias = True  # Qwen2's q/k/v projections always carry a bias
-        else:
-            attention_bias = bool(d.get("attention_bias") or False)
 
         input_vocab_size = _required(d, "vocab_size")
         output_vocab_size = d.get("output_vocab_size")
@@ -159,12 +163,11 @@ class ModelConfig:
             vocab_size=vocab_size,
             input_vocab_size=input_vocab_size,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=attention_bias,
-            qk_norm=architecture == "Qwen3ForCausalLM",
             torch_dtype=normalize_dtype_name(d.get("torch_dtype") or d.get("dtype") or "float32"),
             quantization_config=dict(quantization_config) if quantization_config else None,
             bos_token_id=_optional_token_id("bos_token_id", d.get("bos_token_id")),
             eos_token_ids=token_id_tuple("eos_token_id", d.get("eos_token_id")),
+            **family_fields,
         )
 
 
@@ -193,40 +196,6 @@ def _optional_token_id(field: str, value: Any) -> int | None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{field} must be a token id, got {value!r}")
     return value
-
-
-def _unsupported_architecture_message(architecture: Any) -> str:
-    return (f"unsupported model architecture {architecture!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-
-
-def _architecture(d: Mapping[str, Any]) -> str:
-    architectures = d.get("architectures")
-    if architectures:
-        if not isinstance(architectures, (list, tuple)):
-            raise ValueError(f"config.json 'architectures' must be a list, got {architectures!r}")
-        for name in architectures:
-            if name in SUPPORTED_ARCHITECTURES:
-                return name
-        raise ValueError(_unsupported_architecture_message(architectures[0])
-                         + f" (config.json architectures={list(architectures)!r})")
-    model_type = d.get("model_type")
-    if model_type in _MODEL_TYPE_TO_ARCHITECTURE:
-        return _MODEL_TYPE_TO_ARCHITECTURE[model_type]
-    raise ValueError(f"config.json names no supported architecture (architectures={architectures!r}, "
-                     f"model_type={model_type!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-
-
-def _refuse_unsupported_features(d: Mapping[str, Any], architecture: str) -> None:
-    """Options these families allow but the dense model does not implement: refuse, don't ignore."""
-    hidden_act = d.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise ValueError(f"hidden_act={hidden_act!r} is not supported (supported: 'silu')")
-    if d.get("mlp_bias"):
-        raise ValueError(f"mlp_bias={d.get('mlp_bias')!r} is not supported for {architecture}")
-    if d.get("use_sliding_window"):
-        raise ValueError("use_sliding_window=True is not supported (sliding-window attention is "
-                         f"not implemented; sliding_window={d.get('sliding_window')!r})")
 
 
 def _rope(d: Mapping[str, Any]) -> tuple[float, dict | None]:

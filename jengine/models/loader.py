@@ -1,4 +1,4 @@
-"""`load_model`: a Hugging Face model directory (or "tiny") -> config, weights, tokenizer.
+"""`load_model`: a Hugging Face model directory (or "tiny") -> config, checkpoint reader, tokenizer.
 
 What is read, and nothing else (no Python file in the directory is ever imported or run; there is
 no trust_remote_code):
@@ -7,8 +7,11 @@ no trust_remote_code):
 - `generation_config.json` (optional): its `eos_token_id` wins over config.json's, as in HF
   `generate`;
 - weights: `model.safetensors.index.json` and the shards it names, else `model.safetensors`, else
-  every `*.safetensors` in the directory. Read with safetensors' numpy backend (no torch needed):
-  arrays keep the stored dtype, bf16 arriving as `ml_dtypes.bfloat16`;
+  every `*.safetensors` in the directory. `SafetensorsCheckpoint` reads only the headers up front
+  (names, shapes, dtypes: what the checks below need); a tensor is read when the model asks for
+  it, one at a time, and placed (jengine/models/layers/param.py), so the host never holds the
+  whole model. Read with safetensors' numpy backend (no torch needed): arrays keep the stored
+  dtype, bf16 arriving as `ml_dtypes.bfloat16`;
 - `tokenizer.json` (required), `tokenizer_config.json`, `chat_template.jinja` -> `Tokenizer`.
 """
 
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jengine.models.config import ModelConfig, normalize_dtype_name, token_id_tuple
+from jengine.models.config import ModelConfig, token_id_tuple
 from jengine.models.tokenizer import Tokenizer, read_json_if_present
 
 logger = logging.getLogger(__name__)
@@ -34,7 +37,7 @@ SINGLE_WEIGHTS = "model.safetensors"
 @dataclass(frozen=True)
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, np.ndarray]   # HF tensor names -> arrays in the stored dtype
+    checkpoint: "SafetensorsCheckpoint"  # HF tensor names -> arrays, read one at a time
     tokenizer: Tokenizer
     eos_token_ids: tuple[int, ...]   # == config.eos_token_ids (generation_config.json wins)
     chat_template: str | None
@@ -53,60 +56,110 @@ def load_model(path_or_name: str | None = "tiny", *, progress: bool = True) -> L
         config = dataclasses.replace(config, eos_token_ids=eos)
 
     tokenizer = Tokenizer.from_dir(directory)
-    weights = load_safetensors_dir(directory, progress=progress)
+    checkpoint = SafetensorsCheckpoint(directory, progress=progress)
 
     if not (config_dict.get("torch_dtype") or config_dict.get("dtype")):
         # No dtype in config.json: HF would assume float32; the stored floats are the better guide.
-        config = dataclasses.replace(config, torch_dtype=_stored_float_dtype(weights, config.torch_dtype))
-    _check_vocab_shapes(config, weights, directory)
+        config = dataclasses.replace(config, torch_dtype=_stored_float_dtype(checkpoint,
+                                                                             config.torch_dtype))
+    _check_vocab_shapes(config, checkpoint, directory)
     if tokenizer.vocab_size > config.input_vocab_size:
         logger.warning("tokenizer knows %d ids but the embedding has input_vocab_size=%d rows; "
                        "ids beyond it will be rejected as input", tokenizer.vocab_size,
                        config.input_vocab_size)
 
-    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer,
+    return LoadedModel(config=config, checkpoint=checkpoint, tokenizer=tokenizer,
                        eos_token_ids=config.eos_token_ids, chat_template=tokenizer.chat_template,
                        path=str(directory))
 
 
-def load_safetensors_dir(directory: str | Path, *, progress: bool = True) -> dict[str, np.ndarray]:
-    """Every tensor of a (possibly sharded) safetensors checkpoint, keyed by tensor name."""
-    import ml_dtypes  # noqa: F401  registers bfloat16/float8 with numpy, which safetensors needs
-    from safetensors import safe_open
-    from tqdm import tqdm
+# safetensors header dtype -> numpy's name for it (floats only: what the dtype guess counts).
+_FLOAT_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
 
-    directory = Path(directory)
-    files = _weight_files(directory)
 
-    # Open every file first so the progress bar knows the total and a missing shard fails early.
-    names_by_file: dict[Path, list[str]] = {}
-    for path, expected in files.items():
-        try:
-            with safe_open(str(path), framework="numpy") as f:
-                names = list(f.keys())
-        except Exception as exc:
-            raise ValueError(f"cannot read safetensors file {str(path)!r}: {exc}") from exc
-        if expected is not None:
-            missing = sorted(set(expected) - set(names))
-            if missing:
-                raise ValueError(f"{str(directory / WEIGHTS_INDEX)!r} maps tensor {missing[0]!r} to "
-                                 f"{str(path)!r}, which does not contain it "
-                                 f"({len(missing)} such tensor(s))")
-        names_by_file[path] = names
-    duplicates = [n for n, c in Counter(n for ns in names_by_file.values() for n in ns).items() if c > 1]
-    if duplicates:
-        raise ValueError(f"tensor {duplicates[0]!r} appears in more than one safetensors file under "
-                         f"{str(directory)!r}")
+class SafetensorsCheckpoint:
+    """A (possibly sharded) safetensors checkpoint, read one tensor at a time.
 
-    weights: dict[str, np.ndarray] = {}
-    total = sum(len(ns) for ns in names_by_file.values())
-    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
-        for path, names in names_by_file.items():
-            with safe_open(str(path), framework="numpy") as f:
-                for name in names:
-                    weights[name] = f.get_tensor(name)
-                    bar.update(1)
-    return weights
+    Construction opens every file once for its header: a missing shard, a tensor the index
+    promises but the file lacks, or a tensor in two files fails here, before any weight is read.
+    """
+
+    def __init__(self, directory: str | Path, *, progress: bool = False):
+        import ml_dtypes  # noqa: F401  registers bfloat16/float8 with numpy, which safetensors needs
+        from safetensors import safe_open
+
+        self.directory = directory = Path(directory)
+        self._file: dict[str, Path] = {}
+        self._header: dict[str, tuple[tuple[int, ...], str]] = {}
+        for path, expected in _weight_files(directory).items():
+            try:
+                with safe_open(str(path), framework="numpy") as f:
+                    names = list(f.keys())
+                    for name in names:
+                        tensor = f.get_slice(name)
+                        if name in self._file:
+                            raise _Duplicate(name)
+                        self._file[name] = path
+                        self._header[name] = (tuple(tensor.get_shape()), tensor.get_dtype())
+            except _Duplicate as dup:
+                raise ValueError(f"tensor {dup.args[0]!r} appears in more than one safetensors file "
+                                 f"under {str(directory)!r}") from None
+            except Exception as exc:
+                raise ValueError(f"cannot read safetensors file {str(path)!r}: {exc}") from exc
+            if expected is not None:
+                missing = sorted(set(expected) - set(names))
+                if missing:
+                    raise ValueError(f"{str(directory / WEIGHTS_INDEX)!r} maps tensor {missing[0]!r} "
+                                     f"to {str(path)!r}, which does not contain it "
+                                     f"({len(missing)} such tensor(s))")
+        self._progress = _Progress(len(self._file), progress)
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._file)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._header[name][0]
+
+    def dtype(self, name: str) -> str:
+        """numpy's name for a float dtype ("bfloat16"), else the safetensors tag ("I64")."""
+        tag = self._header[name][1]
+        return _FLOAT_DTYPES.get(tag, tag)
+
+    def read(self, name: str) -> np.ndarray:
+        from safetensors import safe_open
+
+        if name not in self._file:
+            raise KeyError(f"checkpoint is missing tensor {name!r}")
+        with safe_open(str(self._file[name]), framework="numpy") as f:
+            tensor = f.get_tensor(name)
+        self._progress.update()
+        return tensor
+
+
+class _Duplicate(Exception):
+    pass
+
+
+class _Progress:
+    """A "Loading weights" bar over the checkpoint's tensors, created on the first read."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled, self._bar = total, enabled, None
+
+    def update(self) -> None:
+        if not self.enabled:
+            return
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.total, desc="Loading weights", unit="tensor")
+        self._bar.update(1)
+        if self._bar.n >= self.total:
+            self._bar.close()
+            self.enabled = False
 
 
 def _resolve_directory(path_or_name: str | None) -> Path:
@@ -162,23 +215,23 @@ def _weight_files(directory: Path) -> dict[Path, list[str] | None]:
                             f"{WEIGHTS_INDEX}, {SINGLE_WEIGHTS} or *.safetensors){hint}")
 
 
-def _stored_float_dtype(weights: dict[str, np.ndarray], default: str) -> str:
-    floats = Counter(normalize_dtype_name(w.dtype.name) for w in weights.values()
-                     if w.dtype.kind == "f" or w.dtype.name == "bfloat16")
+def _stored_float_dtype(checkpoint: SafetensorsCheckpoint, default: str) -> str:
+    floats = Counter(checkpoint.dtype(n) for n in checkpoint.names()
+                     if checkpoint.dtype(n) in _FLOAT_DTYPES.values())
     return floats.most_common(1)[0][0] if floats else default
 
 
-def _check_vocab_shapes(config: ModelConfig, weights: dict[str, np.ndarray], directory: Path) -> None:
+def _check_vocab_shapes(config: ModelConfig, checkpoint: SafetensorsCheckpoint,
+                        directory: Path) -> None:
     """Embedding rows must equal input_vocab_size and head rows vocab_size (the spec's split)."""
     expected = {"model.embed_tokens.weight": (config.input_vocab_size, config.hidden_size, "input_vocab_size"),
                 "lm_head.weight": (config.vocab_size, config.hidden_size, "vocab_size")}
     for name, (rows, cols, field) in expected.items():
-        w = weights.get(name)
-        if w is not None and not config.is_quantized and tuple(w.shape) != (rows, cols):
-            raise ValueError(f"{name} in {str(directory)!r} has shape {tuple(w.shape)}, but the config "
-                             f"gives {field}={rows} and hidden_size={cols}")
-    if "model.embed_tokens.weight" not in weights:
+        if name in checkpoint and not config.is_quantized and checkpoint.shape(name) != (rows, cols):
+            raise ValueError(f"{name} in {str(directory)!r} has shape {checkpoint.shape(name)}, but the "
+                             f"config gives {field}={rows} and hidden_size={cols}")
+    if "model.embed_tokens.weight" not in checkpoint:
         raise ValueError(f"no model.embed_tokens.weight in the weights of {str(directory)!r}")
-    if not config.tie_word_embeddings and "lm_head.weight" not in weights:
+    if not config.tie_word_embeddings and "lm_head.weight" not in checkpoint:
         raise ValueError(f"tie_word_embeddings is false but there is no lm_head.weight in "
                          f"{str(directory)!r}")

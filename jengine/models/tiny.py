@@ -117,11 +117,11 @@ def ensure_tiny_model(cache_root: str | os.PathLike | None = None) -> Path:
 
 def check_tiny_model(directory: Path) -> None:
     """Raise if the model in `directory` is not exactly tiny-v1."""
-    from jengine.models.loader import load_safetensors_dir
+    from jengine.models.loader import SafetensorsCheckpoint
 
     for name, expected in TINY_V1_SHA256.items():
         if name == "model.safetensors":
-            actual = weights_digest(load_safetensors_dir(directory, progress=False))
+            actual = weights_digest(SafetensorsCheckpoint(directory))
         else:
             actual = hashlib.sha256((directory / name).read_bytes()).hexdigest()
         if actual != expected:
@@ -131,11 +131,12 @@ def check_tiny_model(directory: Path) -> None:
                 "would break bitwise comparisons against other machines; please report it")
 
 
-def weights_digest(weights: dict[str, np.ndarray]) -> str:
-    """SHA-256 over every tensor's name, dtype, shape and bytes, in name order."""
+def weights_digest(checkpoint) -> str:
+    """SHA-256 over every tensor's name, dtype, shape and bytes, in name order, of a checkpoint
+    reader (jengine.models.loader.SafetensorsCheckpoint) read one tensor at a time."""
     h = hashlib.sha256()
-    for name in sorted(weights):
-        w = np.ascontiguousarray(weights[name])
+    for name in sorted(checkpoint.names()):
+        w = np.ascontiguousarray(checkpoint.read(name))
         h.update(f"{name}|{w.dtype.name}|{list(w.shape)}|".encode())
         h.update(w.tobytes())
     return h.hexdigest()

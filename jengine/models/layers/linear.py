@@ -1,0 +1,36 @@
+"""A projection: weight held [in, out] (HF stores [out, in]) and an optional bias, through the
+model's planned GEMM leaf."""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from jengine.models.layers.param import ParamSpec
+
+
+class Linear(nnx.Module):
+    @staticmethod
+    def specs(in_features: int, out_features: int, axes: tuple[str, str], *, bias: bool,
+              dtype) -> dict[str, ParamSpec]:
+        specs = {"weight": ParamSpec((in_features, out_features), dtype, axes, transpose=True)}
+        if bias:
+            specs["bias"] = ParamSpec((out_features,), dtype, axes[1:])
+        return specs
+
+    def __init__(self, specs: dict, source):
+        self.weight = nnx.Param(source.place(specs["weight"]))
+        self.bias = nnx.Param(source.place(specs["bias"])) if "bias" in specs else None
+
+    def __call__(self, kern, x, *, out_dtype):
+        return kern.gemm(x, self.weight[...], None if self.bias is None else self.bias[...],
+                         out_dtype=out_dtype)
+
+
+def linears(kern, x, projections: tuple[Linear, ...], *, out_dtype):
+    """Several projections of one x (q/k/v, gate/up) as one grouped GEMM where the leaf has one;
+    each output's bits are those of its own Linear call. Biases are all or none."""
+    biases = None
+    if projections[0].bias is not None:
+        biases = tuple(p.bias[...] for p in projections)
+    return kern.gemm_group(x, tuple(p.weight[...] for p in projections), biases,
+                           out_dtype=out_dtype)

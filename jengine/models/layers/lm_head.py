@@ -1,0 +1,27 @@
+"""LM head: [hidden, vocab_size] through the GEMM leaf, logits widened to f32.
+
+Tied to the embedding, it is the embedding's first vocab_size rows (the spec's reduced head when
+the output vocabulary is the smaller one); the family's name map points it at that tensor.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jengine.models.layers.param import ParamSpec
+
+
+class LMHead(nnx.Module):
+    @staticmethod
+    def specs(cfg, *, dtype) -> dict[str, ParamSpec]:
+        rows = cfg.vocab_size if cfg.tie_word_embeddings else None
+        return {"weight": ParamSpec((cfg.hidden_size, cfg.vocab_size), dtype, ("embed", "vocab"),
+                                    transpose=True, rows=rows)}
+
+    def __init__(self, specs: dict, source):
+        self.weight = nnx.Param(source.place(specs["weight"]))
+
+    def __call__(self, kern, hidden, *, out_dtype):
+        """[n, H] -> [n, V] in the model dtype, widened to f32 (an exact conversion)."""
+        return kern.gemm(hidden, self.weight[...], None, out_dtype=out_dtype).astype(jnp.float32)

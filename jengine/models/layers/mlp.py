@@ -1,0 +1,25 @@
+"""SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up as one grouped GEMM."""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from jengine.models.layers.linear import Linear, linears
+
+
+class SwiGLU(nnx.Module):
+    @staticmethod
+    def specs(cfg, *, dtype) -> dict[str, dict]:
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        return {"gate_proj": Linear.specs(h, i, ("embed", "mlp"), bias=False, dtype=dtype),
+                "up_proj": Linear.specs(h, i, ("embed", "mlp"), bias=False, dtype=dtype),
+                "down_proj": Linear.specs(i, h, ("mlp", "embed"), bias=False, dtype=dtype)}
+
+    def __init__(self, specs: dict, source):
+        self.gate_proj = Linear(specs["gate_proj"], source)
+        self.up_proj = Linear(specs["up_proj"], source)
+        self.down_proj = Linear(specs["down_proj"], source)
+
+    def __call__(self, kern, x, *, dtype):
+        gate, up = linears(kern, x, (self.gate_proj, self.up_proj), out_dtype=dtype)
+        return self.down_proj(kern, kern.silu(gate) * up, out_dtype=dtype)

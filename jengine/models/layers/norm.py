@@ -1,0 +1,24 @@
+"""RMSNorm's weight; the normalisation itself is the model's planned norm leaf (alone, or fused
+with the residual add)."""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from jengine.models.layers.param import ParamSpec
+
+
+class RMSNorm(nnx.Module):
+    @staticmethod
+    def specs(size: int, axis: str, *, dtype) -> dict[str, ParamSpec]:
+        return {"weight": ParamSpec((size,), dtype, (axis,))}
+
+    def __init__(self, specs: dict, source):
+        self.weight = nnx.Param(source.place(specs["weight"]))
+
+    def __call__(self, kern, x, *, eps):
+        return kern.rmsnorm(x, self.weight[...], eps=eps)
+
+    def add(self, kern, x, residual, *, eps):
+        """(norm(x + residual), x + residual) in one fused leaf."""
+        return kern.add_rmsnorm(x, residual, self.weight[...], eps=eps)

@@ -1,0 +1,137 @@
+"""`ParamSpec`: one parameter, declared by the layer that owns it, and the weight sources that
+fill it.
+
+A layer declares each parameter once: the shape and dtype the model holds, the logical axes of each
+dimension (what sharding/rules.py maps to mesh axes), and where the value comes from in a Hugging
+Face checkpoint (the tensor name, set by the family's name map, and the transform from the stored
+layout). Everything else reads the spec: the loader, random weights for the bench and tests, the
+sharding rules' checks and a weight swap. There is no second list of parameter names.
+
+A weight source turns a spec into the model's array, on its placement:
+
+- `CheckpointSource(reader)`: one tensor read from the checkpoint at a time, transformed on the
+  host (row slice, transpose), placed on the device, then cast to the model dtype there. Those are
+  the exact operations (and so the exact bits) the model has always been built with.
+- `RandomSource(seed)`: normal values created on the device (the bench builds 8B-shaped models;
+  none of it is ever on the host).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]          # as the model holds it
+    dtype: Any                      # the model dtype
+    axes: tuple[str, ...]           # logical axis of each dimension (sharding/rules.py)
+    checkpoint: str = ""            # HF tensor name (the family's name map fills it in)
+    transpose: bool = False         # stored [out, in]; held [in, out] so a leaf computes x @ w
+    rows: int | None = None         # keep the first `rows` stored rows (a tied head, split vocab)
+
+    def __post_init__(self) -> None:
+        if len(self.axes) != len(self.shape):
+            raise ValueError(f"ParamSpec {self.checkpoint!r}: axes {self.axes} name "
+                             f"{len(self.axes)} dims but shape {self.shape} has {len(self.shape)}")
+
+    def named(self, checkpoint: str) -> "ParamSpec":
+        return replace(self, checkpoint=checkpoint)
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The checkpoint tensor's shape this spec expects (before `rows`, which may cut it)."""
+        return self.shape[::-1] if self.transpose else self.shape
+
+
+class WeightSource(Protocol):
+    def place(self, spec: ParamSpec) -> Any:
+        """The parameter's value as the model holds it (a jax.Array on its placement)."""
+
+
+class CheckpointReader(Protocol):
+    """Names, shapes and dtypes up front; one tensor read at a time (jengine/models/loader.py)."""
+
+    def names(self) -> tuple[str, ...]: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def dtype(self, name: str) -> str: ...
+    def read(self, name: str) -> np.ndarray: ...
+
+
+class MappingReader:
+    """A `CheckpointReader` over HF-named arrays already in memory (a trainer's handoff)."""
+
+    def __init__(self, tensors: Mapping[str, Any]):
+        self._tensors = tensors
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(np.shape(self._tensors[name]))
+
+    def dtype(self, name: str) -> str:
+        return np.asarray(self._tensors[name]).dtype.name
+
+    def read(self, name: str) -> np.ndarray:
+        if name not in self._tensors:
+            raise KeyError(f"checkpoint is missing tensor {name!r}")
+        return np.asarray(self._tensors[name])
+
+
+class CheckpointSource:
+    """Fills each spec from `reader`, one tensor at a time. `sharding` (None: the default device)
+    is where every parameter is placed; a per-parameter placement from the specs' logical axes is
+    the multi-device issue's."""
+
+    def __init__(self, reader: CheckpointReader, *, sharding=None):
+        self.reader, self.sharding = reader, sharding
+
+    def place(self, spec: ParamSpec):
+        import jax
+
+        arr = np.asarray(self.reader.read(spec.checkpoint))
+        if spec.rows is not None:
+            arr = arr[: spec.rows]
+        if spec.transpose:
+            arr = arr.T
+        if arr.shape != spec.shape:
+            stored = arr.shape[::-1] if spec.transpose else arr.shape
+            raise ValueError(f"checkpoint tensor {spec.checkpoint!r} has shape {tuple(stored)} "
+                             + ("(first rows kept) " if spec.rows is not None else "")
+                             + f"but the model expects {spec.stored_shape}")
+        return jax.device_put(arr, self.sharding).astype(spec.dtype)
+
+
+class RandomSource:
+    """N(0, 1/fan_in) matrices and N(0, 1) vectors, drawn on the device, one key per parameter
+    in the order the model asks for them (timing and structure only: no bits are promised)."""
+
+    def __init__(self, seed: int = 0):
+        self._keys = itertools.count(seed)
+
+    def place(self, spec: ParamSpec):
+        import jax
+        import jax.numpy as jnp
+
+        key = jax.random.key(next(self._keys))
+        fan_in = spec.shape[0] if spec.transpose else spec.shape[-1]
+        scale = 1.0 if len(spec.shape) == 1 else fan_in ** -0.5
+        return (jax.random.normal(key, spec.shape, jnp.float32) * scale).astype(spec.dtype)
+
+
+def weight_source(weights) -> WeightSource:
+    """A weight source from what a caller holds: a source, a reader, or a mapping name -> array."""
+    if hasattr(weights, "place"):
+        return weights
+    if hasattr(weights, "read"):
+        return CheckpointSource(weights)
+    if isinstance(weights, Mapping):
+        return CheckpointSource(MappingReader(weights))
+    raise TypeError(f"weights must be a weight source, a checkpoint reader or a mapping of tensor "
+                    f"name -> array, got {type(weights).__name__}")
