@@ -232,6 +232,9 @@ class ResolvedLaunch:
     environment: Mapping[str, str] = field(default_factory=dict)  # other env vars set pre-init
     matmul_precision: str | None = None  # jax_default_matmul_precision, or None = leave JAX's
     warnings: tuple[str, ...] = ()
+    # The switches the launch set explicitly (not None before resolution): an envelope's pins are
+    # not "given", so jengine.launch refuses only a user's switch that has no effect on the model.
+    given: frozenset[str] = frozenset()
 
     def as_dict(self) -> dict[str, Any]:
         """Every launch field with its resolved value, plus the envelope's derived settings."""
@@ -326,7 +329,8 @@ def resolve_launch(cfg: LaunchConfig, *, hardware: str | None = None,
         matmul_precision="highest" if precise else None,
         # Launch warnings (--tp-size > 1 without --tp-batch-invariant attn under a bitwise
         # envelope, spec "Parallelism") come back with multi-device execution; today TP is refused.
-        warnings=())
+        warnings=(),
+        given=frozenset(n for n in SWITCHES if getattr(cfg, n) is not None))
 
 
 # -- model construction -----------------------------------------------------------------------------

@@ -206,18 +206,16 @@ def run_case(case: str, work: Path, max_len: int, lines: list[str]) -> dict:
     try:
         for form, block in VARIANTS:
             order = logprob_order_for(form, block)
-            resolved = dataclasses.replace(eng.resolved,
-                                           config=eng.resolved.config.replace(logprob_order=order))
-            eng.sampler = Sampler(resolved, dims["vocab_size"])  # the step programs are unchanged
+            options = dataclasses.replace(eng.plan.sampler, logprob_order=order)
+            eng.sampler = Sampler(options, dims["vocab_size"])  # the step programs are unchanged
             out: list[str] = []
             ok = run_alignment(eng, trainer[(form, block)], self_consistency=True, bisect=True,
                                out=out.append)
             result["variants"][order] = {"ok": ok, "report": out}
             lines.append(f"### {case} {arch} --logprob-order {order}: {'PASS' if ok else 'FAIL'}")
             lines += [f"    {line}" for line in out]
-        eng.sampler = Sampler(dataclasses.replace(
-            eng.resolved, config=eng.resolved.config.replace(logprob_order="blockwise")),
-            dims["vocab_size"])
+        eng.sampler = Sampler(dataclasses.replace(eng.plan.sampler, logprob_order="blockwise"),
+                              dims["vocab_size"])
         out = []
         ok = run_alignment(eng, stock, self_consistency=False, out=out.append)
         result["negative_control"] = {"mismatched": not ok, "report": out}

@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 
 from jengine.config import LaunchConfig
+from jengine.launch import plan_launch
+from jengine.numerics import resolve_launch
 from jengine.engine.batch import PageCopy, PageRestore, PageSave
 from jengine.engine.engine import Engine
 from jengine.engine.kv_manager import KVManager
@@ -148,12 +150,26 @@ class FakeDetokenizer:
         return ""
 
 
+def fake_model_config(max_context: int) -> SimpleNamespace:
+    """The ModelConfig fields the launch plan reads, for a model that is only a FakeRunner."""
+    return SimpleNamespace(architecture="FakeForCausalLM", vocab_size=VOCAB, input_vocab_size=VOCAB + 8,
+                           max_position_embeddings=max_context, torch_dtype="float32",
+                           quantization_config=None, num_experts=0, kv_lora_rank=0,
+                           rope_scaling=None)
+
+
 def make_engine(runner=None, eos=(), detokenizer_factory=FakeDetokenizer, **launch):
+    """An engine over a FakeRunner, planned through the real launch path (jengine.launch): the
+    pool the plan sizes is the fake's (num_pages, page_size), its context the fake's."""
     runner = runner or FakeRunner()
     cfg = LaunchConfig(**{"chunked_prefill_size": 8, "max_prefill_tokens": 24,
-                          "max_running_requests": 8, **launch})
+                          "max_running_requests": 8, "page_size": runner.page_size,
+                          "max_total_tokens": (runner.num_pages - 1) * runner.page_size, **launch})
+    model_config = fake_model_config(runner.max_context)
+    plan = plan_launch(resolve_launch(cfg, hardware="cpu", probe_xla_flags=False), model_config)
+    assert (plan.kv.num_pages, plan.kv.page_size) == (runner.num_pages, runner.page_size)
     return Engine.from_components(
-        config=cfg, model_config=SimpleNamespace(vocab_size=VOCAB, input_vocab_size=VOCAB + 8),
+        plan=plan, model_config=model_config,
         tokenizer=SimpleNamespace(encode=lambda s: [ord(c) % VOCAB for c in s]), eos_token_ids=eos,
         runner=runner, sampler=FakeSampler(), detokenizer_factory=detokenizer_factory)
 

@@ -48,7 +48,8 @@ def reference(eng):
     from jengine.engine.model_runner import ModelRunner
     from jengine.models import load_model
 
-    runner = ModelRunner(load_model("tiny", progress=False), eng.resolved)
+    loaded = load_model("tiny", progress=False)
+    runner = ModelRunner(loaded.config, loaded.checkpoint, eng.plan.runner)
     ps = runner.page_size
 
     def run(prompt, n):

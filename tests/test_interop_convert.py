@@ -69,8 +69,11 @@ def setup(tmp_path_factory):
 def _runner(loaded, resolved):
     from jengine.engine.model_runner import ModelRunner
 
+    from jengine.launch import plan_launch
+
     with override_profile(loaded.config.architecture, numerics_envelopes={"rl-bitwise"}):
-        return ModelRunner(loaded, resolved)
+        plan = plan_launch(resolved, loaded.config)
+    return ModelRunner(loaded.config, loaded.checkpoint, plan.runner)
 
 
 def _engine_logits(runner):

@@ -154,6 +154,7 @@ def test_hf_forward_under_trainer_mode_matches_engine_states(hf_dirs, resolved, 
     """Every named state (interop/states.py) and the logits of HF's own forward equal the engine's."""
     from interop.trainer_dump import load_hf_model
     from jengine.engine.model_runner import ModelRunner
+    from jengine.launch import plan_launch
     from jengine.models import load_model
 
     ids = np.random.default_rng(2).integers(0, 32768, 40)
@@ -172,8 +173,10 @@ def test_hf_forward_under_trainer_mode_matches_engine_states(hf_dirs, resolved, 
     assert model.config._attn_implementation != trainer_mode.ATTENTION_NAME  # restored
     assert torch.equal(model.model.rotary_emb.inv_freq.view(torch.int32), inv_freq.view(torch.int32))
 
+    loaded = load_model(str(hf_dirs[arch]), progress=False)
     with override_profile(arch, numerics_envelopes={"rl-bitwise"}):
-        runner = ModelRunner(load_model(str(hf_dirs[arch]), progress=False), resolved)
+        plan = plan_launch(resolved, loaded.config)
+    runner = ModelRunner(loaded.config, loaded.checkpoint, plan.runner)
     engine, replay_agrees = engine_states(runner, ids)
     assert replay_agrees, "interop/bisect.py's replay no longer mirrors the model's forward"
     engine_logits = np.asarray(runner.compute_logits(jnp.asarray(engine["norm"])))

@@ -15,10 +15,14 @@ import pytest
 from starlette.testclient import TestClient
 
 from jengine.config import LaunchConfig, LaunchRefusal
+from jengine.launch import plan_launch
 from jengine.numerics import SWITCHES, resolve_launch
 from jengine.server.app import create_app
-from tests.test_engine_scheduler import make_engine
+from tests.test_engine_scheduler import fake_model_config, make_engine
 from tests.test_server_unit import FakeEngine
+
+
+_FAKE_MODEL = fake_model_config(160)
 
 
 def _resolved(hardware="gpu", **kw):
@@ -60,7 +64,8 @@ def _runner(attr):
     def probe(value, name, tiny):
         from jengine.engine.model_runner import ModelRunner
 
-        return getattr(ModelRunner(tiny, _resolved("cpu", **{name: value})), attr)
+        plan = plan_launch(_resolved("cpu", **{name: value}), tiny.config)
+        return getattr(ModelRunner(tiny.config, tiny.checkpoint, plan.runner), attr)
     return probe
 
 
@@ -68,8 +73,9 @@ def _server_app(value, name, tiny):
     """/v1/models and auth of an app built from the launch, as `jengine serve` builds it."""
     cfg = LaunchConfig(**{name: value})
     eng = FakeEngine()
-    eng.resolved.config = cfg
-    with TestClient(create_app(eng, api_key=cfg.api_key)) as c:
+    eng.config = eng.resolved.config = cfg
+    eng.plan.server = plan_launch(_resolved("cpu", **{name: value}), _FAKE_MODEL).server
+    with TestClient(create_app(eng)) as c:
         r = c.get("/v1/models")
         return r.status_code, r.json()
 
@@ -118,7 +124,8 @@ def _model_loaded(value, name, tiny):
         return str(exc)
 
 
-REFUSED = "refused"
+REFUSED = "refused"  # by the launch alone
+REFUSED_HERE = "refused for the tiny model on one device"  # by the launch plan
 # field -> (a non-default value, how it shows: probe(value, name, tiny) -> what is compared).
 PROBES = {
     "model_path": ("/nonexistent/model", _model_loaded),
@@ -126,13 +133,17 @@ PROBES = {
     "context_length": (64, _runner("max_context")),
     "numerics": ("rl-bitwise", lambda v, name, tiny: _resolved(numerics=v).bitwise),
     **{name: (value, _switch) for name, value in {
-        "sampling_stream": "batch", "logprob_order": "blockwise",
-        "layer_boundary_norm": "unfused", "router_topk": "torch", "moe_combine_order": "slot",
-        "dsa_slot_order": "selection", "yarn_ramp_mask_device": "cpu",
-        "yarn_frequency_device": "cpu", "mla_lora_scale": "runtime", "moe_backend": "portable",
-        "sampling_backend": "portable", "attention_backend": "portable",
-        "batch_invariant_collectives": True, "force_deterministic_rsag": True,
-        "tp_batch_invariant": "attn", "enable_eplb": True}.items()},
+        "logprob_order": "blockwise", "layer_boundary_norm": "unfused",
+        "yarn_frequency_device": "cpu", "sampling_backend": "portable",
+        "attention_backend": "portable"}.items()},
+    # Switches that act only on other models (MoE, MLA, DSA, YaRN) or on several devices: on the
+    # dense tiny model, on one device, the launch plan refuses them.
+    **{name: (value, REFUSED_HERE) for name, value in {
+        "sampling_stream": "batch", "router_topk": "torch", "moe_combine_order": "slot",
+        "dsa_slot_order": "selection", "yarn_ramp_mask_device": "cpu", "mla_lora_scale": "runtime",
+        "moe_backend": "portable", "batch_invariant_collectives": True,
+        "force_deterministic_rsag": True, "tp_batch_invariant": "attn",
+        "enable_eplb": True}.items()},
     "disable_autotune": (True, _xla_flags),
     "deterministic_ops": (True, _xla_flags),
     "quantization": ("fp8", REFUSED),
@@ -166,10 +177,28 @@ def test_every_option_has_a_probe():
 def test_each_option_changes_behaviour_or_is_refused(field, tiny):
     value, probe = PROBES[field.name]
     assert value != field.default, field.name
+    flag = "--" + field.name.replace("_", "-")
     if probe is REFUSED:
-        flag = "--" + field.name.replace("_", "-")
         with pytest.raises(LaunchRefusal, match=rf"^{flag} {value}: "):  # names flag and value
             _resolved(**{field.name: value})
         return
+    if probe is REFUSED_HERE:
+        plan_launch(_resolved("cpu", **{field.name: field.default}), tiny.config)  # the default: fine
+        with pytest.raises(LaunchRefusal, match=rf"^{flag} {value} has no effect on Qwen3ForCausalLM"):
+            plan_launch(_resolved("cpu", **{field.name: value}), tiny.config)
+        return
     changed, default = probe(value, field.name, tiny), probe(field.default, field.name, tiny)
     assert changed != default, (field.name, changed)
+
+
+def test_an_envelopes_pins_are_not_refused_as_inert(tiny):
+    """rl-bitwise pins MoE, collective and YaRN switches for every model; only a user's explicit
+    choice that cannot act is refused, and an explicit default is accepted."""
+    from jengine.profiles import override_profile
+
+    resolved = _resolved("cpu", numerics="rl-bitwise")
+    assert resolved.config.router_topk == "torch" and resolved.config.batch_invariant_collectives
+    assert not resolved.given & {"router_topk", "batch_invariant_collectives"}
+    with override_profile("Qwen3ForCausalLM", numerics_envelopes={"rl-bitwise"}):
+        plan_launch(resolved, tiny.config)
+    plan_launch(_resolved("cpu", router_topk="auto", tp_batch_invariant="off"), tiny.config)

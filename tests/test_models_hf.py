@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 from jengine.config import LaunchConfig  # noqa: E402
 from jengine.engine.batch import StepBatch  # noqa: E402
 from jengine.engine.model_runner import ModelRunner  # noqa: E402
+from jengine.launch import plan_launch  # noqa: E402
 from jengine.models import load_model  # noqa: E402
 from jengine.numerics import resolve_launch  # noqa: E402
 
@@ -49,7 +50,8 @@ def _runner(path, numerics="auto"):
     resolved = resolve_launch(LaunchConfig(model_path=str(path), numerics=numerics, page_size=4,
                                            max_total_tokens=2048, max_prefill_tokens=64,
                                            max_running_requests=4), hardware="cpu")
-    return ModelRunner(load_model(str(path), progress=False), resolved)
+    loaded = load_model(str(path), progress=False)
+    return ModelRunner(loaded.config, loaded.checkpoint, plan_launch(resolved, loaded.config).runner)
 
 
 def _prefill_logits(runner, ids, pages=range(1, 65)):

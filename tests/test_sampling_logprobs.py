@@ -7,8 +7,6 @@ inside a shuffled full batch. Each use of it has a negative control that the sam
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +14,7 @@ import pytest
 
 from jengine.engine.batch import SamplingRows
 from jengine.engine.sampler import Sampler, row_bucket
+from jengine.launch import SamplerOptions
 from jengine.logprob_orders import LOGPROB_BLOCK_WIDTHS
 from tests.bits import numpy_halving_tree, shifted_logits_and_completed
 from pallas_kernels.logprobs import (
@@ -380,9 +379,8 @@ def test_gumbel_distribution_temperature_and_filters():
 
 
 def stand_in(order="blockwise", features=frozenset({"batch_invariant"})):
-    """Until jengine.numerics lands: the three attributes the Sampler reads from a ResolvedLaunch."""
-    return SimpleNamespace(config=SimpleNamespace(logprob_order=order),
-                           required_features=frozenset(features), hardware="cpu")
+    """The sampler's part of a launch plan, made directly (jengine.launch.SamplerOptions)."""
+    return SamplerOptions(logprob_order=order, hardware="cpu", required_features=frozenset(features))
 
 
 def rows_of(sampling_rows, idx):
@@ -423,11 +421,19 @@ def test_sampler_auto_plans_native_and_refuses_bad_input(logits):
     assert sampler.sample(jnp.zeros((0, V)), rows_of([np.zeros(0)] * 6, slice(None))).shape == (0,)
 
 
-def test_sampler_plans_from_a_real_resolved_launch():
-    numerics = pytest.importorskip("jengine.numerics")
+def test_sampler_plans_from_a_real_launch_plan():
     from jengine.config import LaunchConfig
+    from jengine.launch import plan_launch
+    from jengine.numerics import resolve_launch
+    from jengine.profiles import override_profile
+    from tests.test_engine_scheduler import fake_model_config
 
-    bitwise = Sampler(numerics.resolve_launch(LaunchConfig(numerics="rl-bitwise")), V).describe()
-    auto = Sampler(numerics.resolve_launch(LaunchConfig(numerics="auto")), V).describe()
+    def options(numerics):
+        with override_profile("FakeForCausalLM", numerics_envelopes={numerics}):
+            return plan_launch(resolve_launch(LaunchConfig(numerics=numerics)),
+                               fake_model_config(64)).sampler
+
+    bitwise = Sampler(options("rl-bitwise"), V).describe()
+    auto = Sampler(options("auto"), V).describe()
     assert (bitwise["block_sumexp"], auto["block_sumexp"]) == ("fixed_tree", "xla_native")
     assert bitwise["logprob_order"] == "blockwise"  # rl-bitwise folds torch to blockwise

@@ -14,6 +14,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from jengine.config import LaunchConfig
+from jengine.launch import ServerOptions
 from jengine.engine.io_struct import RequestLimits
 from jengine.engine.request import InvalidRequest, SamplingParams, derive_sample_seeds
 from jengine.server.app import create_app
@@ -45,7 +46,12 @@ class FakeEngine:
         # No KV pool: the pool bound never binds here.
         self.request_limits = RequestLimits(max_context, input_vocab_size, vocab_size,
                                             pool_tokens=1 << 30, page_size=1)
-        self.resolved = types.SimpleNamespace(config=LaunchConfig(), as_dict=lambda: {"numerics": "auto"})
+        self.config = LaunchConfig()
+        self.resolved = types.SimpleNamespace(config=self.config, as_dict=lambda: {"numerics": "auto"})
+        self.plan = types.SimpleNamespace(
+            scheduler=types.SimpleNamespace(max_running_requests=self.config.max_running_requests),
+            server=ServerOptions(host="127.0.0.1", port=0, api_key=None, served_model_name=None,
+                                 log_level="info"))
         self.token_delay_s = token_delay_s
         self.submitted: list[dict] = []
         self.aborted: set[str] = set()

@@ -71,13 +71,14 @@ def _pool_tokens(rows, page_size: int) -> int:
 
 def random_runner(shape: str, numerics: str, launch):
     """Resolve the launch, set its XLA flags (before JAX starts), build a ModelRunner of the bench
-    `shape` on random weights (rl-bitwise pads the vocabulary). Returns (runner, resolved, loaded)."""
+    `shape` on random weights (rl-bitwise pads the vocabulary). Returns (runner, plan, loaded)."""
     from jengine.numerics import resolve_launch
 
     resolved = resolve_launch(launch)
     resolved.apply_environment()
     import pallas_kernels  # noqa: F401  (registers every leaf, the GPU ones too, before planning)
     from jengine.engine.model_runner import ModelRunner
+    from jengine.launch import plan_launch
     from jengine.profiles import override_profile
 
     base, padded = SHAPES[shape]
@@ -85,5 +86,5 @@ def random_runner(shape: str, numerics: str, launch):
     # Timing only: random weights prove nothing about the contract, so the model's verification
     # gate (require_verified_numerics) is overridden while this runner is built, and nothing else.
     with override_profile(base["architectures"][0], numerics_envelopes={numerics}):
-        runner = ModelRunner(loaded, resolved)
-    return runner, resolved, loaded
+        plan = plan_launch(resolved, loaded.config)
+    return ModelRunner(loaded.config, loaded.checkpoint, plan.runner), plan, loaded

@@ -135,11 +135,11 @@ def part_engine(args) -> dict:
 
     launch = _e2e_launch(args)
     t0 = time.time()
-    runner, resolved, loaded = random_runner(args.shape, args.numerics, launch)
+    runner, plan, loaded = random_runner(args.shape, args.numerics, launch)
     from jengine.engine.engine import Engine
     from jengine.engine.sampler import Sampler
 
-    sampler = Sampler(resolved, loaded.config.vocab_size)
+    sampler = Sampler(plan.sampler, loaded.config.vocab_size)
     out = {"numerics": args.numerics, "shape": args.shape, "kernels": runner.kernels.describe(),
            "requests": args.e2e_requests, "input_tokens": args.e2e_input,
            "output_tokens": args.e2e_output, "max_running_requests": launch.max_running_requests,
@@ -148,7 +148,7 @@ def part_engine(args) -> dict:
     out["warmup_s"] = _warm_step_programs(runner, sampler, args)
     _checkpoint(args, out)
     engine = Engine.from_components(
-        config=resolved.config, resolved=resolved, model_config=loaded.config, tokenizer=None,
+        plan=plan, model_config=loaded.config, tokenizer=None,
         eos_token_ids=loaded.eos_token_ids, runner=runner, sampler=sampler,
         detokenizer_factory=_NullDetokenizer, model_info={"model_dir": "random weights"})
     rng = np.random.default_rng(0)

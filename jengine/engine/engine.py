@@ -35,7 +35,8 @@ from jengine.engine.kv_manager import KVManager
 from jengine.engine.step_executor import SegmentResult, execute_step
 from jengine.engine.output_processor import OutputProcessor, RequestState, StepOutput
 from jengine.engine.request import InvalidRequest, Req
-from jengine.engine.scheduler import Scheduler, SchedulerConfig, Segment
+from jengine.engine.scheduler import Scheduler, Segment
+from jengine.launch import LaunchPlan
 
 logger = logging.getLogger("jengine.engine")
 
@@ -51,6 +52,7 @@ class Engine:
         return eng
 
     def _start(self, cfg: LaunchConfig) -> None:
+        """The one launch path: resolve, load, plan, then build each part from its own config."""
         from jengine.numerics import resolve_launch
 
         resolved = resolve_launch(cfg)
@@ -61,20 +63,21 @@ class Engine:
 
         from jengine.engine.model_runner import ModelRunner
         from jengine.engine.sampler import Sampler
+        from jengine.launch import plan_launch
         from jengine.models import IncrementalDetokenizer, load_model
 
         _enable_compilation_cache()
         loaded = load_model(resolved.config.model_path)
-        runner = ModelRunner(loaded, resolved)  # check_model: refuses what the envelope can't serve
-        sampler = Sampler(resolved, loaded.config.vocab_size)
+        plan = plan_launch(resolved, loaded.config)  # refuses what the launch can't serve
+        runner = ModelRunner(loaded.config, loaded.checkpoint, plan.runner)
+        sampler = Sampler(plan.sampler, loaded.config.vocab_size)
         if not resolved.config.skip_warmup:
             t0 = time.perf_counter()
             runner.warmup()
             logger.info("warmup took %.1f s", time.perf_counter() - t0)
         tokenizer = loaded.tokenizer
-        self._setup(config=resolved.config, resolved=resolved, model_config=loaded.config,
-                    tokenizer=tokenizer, eos_token_ids=loaded.eos_token_ids, runner=runner,
-                    sampler=sampler,
+        self._setup(plan=plan, model_config=loaded.config, tokenizer=tokenizer,
+                    eos_token_ids=loaded.eos_token_ids, runner=runner, sampler=sampler,
                     detokenizer_factory=lambda prompt_ids: IncrementalDetokenizer(tokenizer, prompt_ids),
                     model_info={"model_dir": str(loaded.path)})
 
@@ -85,11 +88,12 @@ class Engine:
         eng._setup(**parts)
         return eng
 
-    def _setup(self, *, config: LaunchConfig, model_config: Any, tokenizer: Any, eos_token_ids: Any,
+    def _setup(self, *, plan: LaunchPlan, model_config: Any, tokenizer: Any, eos_token_ids: Any,
                runner: Any, sampler: Any, detokenizer_factory: Callable[[list[int]], Any],
-               resolved: Any = None, model_info: dict | None = None) -> None:
-        self.config = config
-        self.resolved = resolved
+               model_info: dict | None = None) -> None:
+        self.plan = plan
+        self.resolved = plan.resolved  # the whole launch, for /get_server_info only
+        self.config = plan.resolved.config
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.runner = runner
@@ -97,22 +101,16 @@ class Engine:
         self._eos_ids = frozenset(int(t) for t in (eos_token_ids or ()))
         self._detokenizer_factory = detokenizer_factory
         self._model_info = dict(model_info or {})
-        self.max_context = int(runner.max_context)
-        self.kv = KVManager(runner.num_pages, runner.page_size)
+        self.max_context = plan.kv.max_context
+        # The pool's pages are sized once, in the plan: the runner allocated them, the engine
+        # hands them out.
+        self.kv = KVManager(plan.kv.num_pages, plan.kv.page_size)
         self.request_limits = RequestLimits(
             max_context=self.max_context,
             input_vocab_size=int(getattr(model_config, "input_vocab_size", model_config.vocab_size)),
             vocab_size=int(model_config.vocab_size),
             pool_tokens=self.kv.capacity_pages * self.kv.page_size, page_size=self.kv.page_size)
-        self.scheduler = Scheduler(SchedulerConfig(
-            page_size=runner.page_size,
-            max_context=self.max_context,
-            chunked_prefill_size=config.chunked_prefill_size,
-            max_prefill_tokens=config.max_prefill_tokens,
-            max_running_requests=config.max_running_requests,
-            enable_prefix_cache=not config.disable_radix_cache,
-            debug_force_retraction_interval=config.debug_force_retraction_interval,
-        ), self.kv)
+        self.scheduler = Scheduler(plan.scheduler, self.kv)
         logger.info("KV pool: %d pages x %d tokens = %d tokens; context %d", self.kv.capacity_pages,
                     self.kv.page_size, self.kv.capacity_pages * self.kv.page_size, self.max_context)
 
@@ -196,7 +194,7 @@ class Engine:
         }
 
     def server_info(self) -> dict[str, Any]:
-        info = dict(self.resolved.as_dict()) if self.resolved is not None else self.config.to_dict()
+        info = dict(self.resolved.as_dict())
         mc = self.model_config
         info.update(self._model_info)
         info.update({
@@ -360,7 +358,7 @@ class Engine:
             self.scheduler.finished_by_scheduler.clear()
         try:
             results = execute_step(self.runner, self.sampler, step,
-                                   self.config.input_logprob_chunk_tokens)
+                                   self.plan.input_logprob_chunk_tokens)
         except Exception as exc:
             logger.exception("step failed; aborting its %d request(s)", len(step.segments))
             for seg in step.segments:

@@ -25,74 +25,62 @@ from tqdm import tqdm
 
 from jengine.engine.batch import StepBatch
 from jengine.engine.kv_pool import KVPool
+from jengine.launch import RunnerConfig
 from jengine.models.kv_cache import NULL_PAGE
 from jengine.models.layers.param import weight_source
 from jengine.models.registry import get_family
-from jengine.numerics import check_model
 from pallas_kernels.fixed_order import next_pow2
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_TOTAL_TOKENS = 65536
 MIN_TOKEN_BUCKET = 16
 MIN_LOGIT_BUCKET = 8
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 
 
-def model_dtype(launch_dtype: str, checkpoint_dtype: str | None):
-    name = checkpoint_dtype if launch_dtype == "auto" else launch_dtype
-    if name not in _DTYPES:
-        raise ValueError(f"dtype={name!r} is not supported (supported: {sorted(_DTYPES)})")
-    return jnp.dtype(_DTYPES[name])
-
-
 class ModelRunner:
-    def __init__(self, loaded, resolved):
-        """loaded: `.config` (a ModelConfig) and `.checkpoint` -- a checkpoint reader (LoadedModel),
-        a mapping of HF tensor name -> array, or a weight source such as RandomSource (the bench)."""
-        cfg = loaded.config
-        launch = resolved.config
-        # Everything the envelope needs from the model is checked here, once, never per forward.
-        check_model(resolved, cfg)
-        self.model_config = cfg
-        self.resolved = resolved
-        self.family = get_family(cfg.architecture)
-        self.dtype = model_dtype(launch.dtype, cfg.torch_dtype or "bfloat16")
-        self.kernels = self.family.plan_kernels(dtype=self.dtype, hardware=resolved.hardware,
-                                                features=resolved.required_features,
-                                                head_dim=cfg.head_dim)
+    def __init__(self, model_config, weights, cfg: RunnerConfig):
+        """model_config: the checkpoint's ModelConfig, already checked against the launch
+        (jengine.launch.plan_launch). weights: a checkpoint reader (LoadedModel.checkpoint), a
+        mapping of HF tensor name -> array, or a weight source such as RandomSource (the bench).
+        cfg: the runner's part of the launch plan."""
+        self.model_config = model_config
+        self.family = get_family(model_config.architecture)
+        self.options = cfg.model
+        self.dtype = jnp.dtype(_DTYPES[cfg.model.dtype])
+        self.kernels = self.family.plan_kernels(dtype=self.dtype, hardware=cfg.model.hardware,
+                                                features=cfg.model.required_features,
+                                                head_dim=model_config.head_dim)
         logger.info("kernel plans: %s", self.kernels.describe())
-        self._graphdef, state = nnx.split(self._build_model(loaded.checkpoint))
+        self._graphdef, state = nnx.split(self._build_model(weights))
         # The jitted programs take the parameters as one flat tuple: jit flattens a tuple of arrays
         # in C++, an nnx.State (hundreds of leaves) through Python callbacks -- host time each step.
         self._params, self._state_def = jax.tree.flatten(state)
         self._params = tuple(self._params)
 
-        self.page_size = launch.page_size
-        self.max_context = min(launch.context_length or cfg.max_position_embeddings,
-                               cfg.max_position_embeddings)
-        self.max_pages_per_request = -(-self.max_context // self.page_size)
-        total_tokens = launch.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS
-        self.num_pages = total_tokens // self.page_size + 1  # + the null page
+        kv = cfg.kv
+        self.page_size = kv.page_size
+        self.max_context = kv.max_context
+        self.max_pages_per_request = kv.max_pages_per_request
+        self.num_pages = kv.num_pages
         # The pool, as the model's KV cache spec lays it out: per layer, one array per component
         # (K and V), not one [L, ...] array: each layer's scatter then updates its own donated
         # buffer in place. With one stacked array XLA rebuilt (concatenated) the whole pool every
         # step -- seen in the compiled HLO, and ~2x the pool's bytes of traffic per step.
-        self.kv_pool = KVPool(self.family.kv_cache_spec(cfg), num_pages=self.num_pages,
-                              page_size=self.page_size, dtype=self.dtype)
-        self.max_step_tokens = launch.max_prefill_tokens + launch.max_running_requests
+        self.kv_pool = KVPool(self.family.kv_cache_spec(model_config), num_pages=kv.num_pages,
+                              page_size=kv.page_size, dtype=self.dtype)
+        self.max_step_tokens = cfg.max_step_tokens
 
         self._forward = jax.jit(self._forward_impl, donate_argnums=(1,))
         self._logits_rows = jax.jit(self._logits_rows_impl)
 
     def _build_model(self, weights):
-        launch = self.resolved.config
+        o = self.options
         return self.family.build(self.model_config, weight_source(weights), dtype=self.dtype,
-                                 kernels=self.kernels,
-                                 layer_boundary_norm=launch.layer_boundary_norm,
-                                 rope_frequency_device=launch.yarn_frequency_device,
-                                 rope_ramp_device=launch.yarn_ramp_mask_device)
+                                 kernels=self.kernels, layer_boundary_norm=o.layer_boundary_norm,
+                                 rope_frequency_device=o.rope_frequency_device,
+                                 rope_ramp_device=o.rope_ramp_device)
 
     def param_specs(self) -> dict:
         """Every parameter's ParamSpec (path -> spec) of this runner's model."""

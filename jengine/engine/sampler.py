@@ -13,13 +13,12 @@ whose `sampling_stream` says "batch" gets it too; it is strictly stronger and ne
 from __future__ import annotations
 
 import logging
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jengine.engine.batch import SamplingRows
+from jengine.launch import SamplerOptions
 from pallas_kernels import sampling as _sampling  # noqa: F401  (registers the sampling leaves)
 from pallas_kernels.logprobs import gather_token_logprobs, logprob_block_width, top_logprobs
 from pallas_kernels.fixed_order import next_pow2
@@ -34,24 +33,21 @@ def row_bucket(rows: int) -> int:
 
 
 class Sampler:
-    """`Sampler(resolved, vocab_size)`; see docs of `sample`, `token_logprobs`, `top_logprobs`.
+    """`Sampler(options, vocab_size)`; see docs of `sample`, `token_logprobs`, `top_logprobs`.
 
-    `resolved` is a `ResolvedLaunch` (jengine.numerics); any object with `.config.logprob_order`,
-    `.required_features` and `.hardware` works.
+    `options` is the launch plan's `SamplerOptions` (jengine/launch.py): the logprob order, the
+    hardware and the kernel features every leaf must declare.
     """
 
-    def __init__(self, resolved: Any, vocab_size: int) -> None:
+    def __init__(self, options: SamplerOptions, vocab_size: int) -> None:
         if not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1:
             raise ValueError(f"vocab_size={vocab_size!r} must be a positive integer")
-        order = resolved.config.logprob_order
-        if order is None:
-            raise ValueError("logprob_order is None: the Sampler needs a resolved launch "
-                             "(jengine.numerics.resolve_launch) with every switch concrete")
+        order = options.logprob_order
         self.vocab_size = int(vocab_size)
         self.logprob_order = order
         self.block_width = logprob_block_width(order, self.vocab_size)  # ValueError names both
-        self.required_features = frozenset(resolved.required_features)
-        self.hardware = resolved.hardware
+        self.required_features = frozenset(options.required_features)
+        self.hardware = options.hardware
         common = dict(formats={"f32"}, hardware=self.hardware, features=self.required_features)
         self.block_sumexp_plan = plan("sampling", "block_sumexp",
                                       geometry={"vocab_size": self.vocab_size,

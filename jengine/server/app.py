@@ -57,15 +57,16 @@ class ServerState:
 
 def create_app(engine: Any, *, api_key: str | None = None, served_model_name: str | None = None,
                extra_info: dict | None = None, admission: AdmissionLimits | None = None) -> FastAPI:
-    launch = engine.resolved.config
+    options = engine.plan.server
+    api_key = options.api_key if api_key is None else api_key
     admission = admission or AdmissionLimits()
     metrics = ServerMetrics(engine)
     aengine = AsyncEngine(engine, metrics, admission=admission)
     metrics.in_flight = lambda: aengine.num_in_flight
     state = ServerState(
         engine=engine, aengine=aengine, metrics=metrics,
-        model_name=served_model_name or launch.served_model_name or launch.model_path,
-        model_path=launch.model_path, limits=model_limits(engine), admission=admission,
+        model_name=served_model_name or options.served_model_name or engine.config.model_path,
+        model_path=engine.config.model_path, limits=model_limits(engine), admission=admission,
         extra_info={**(extra_info or {}), "admission": admission.as_dict()})
 
     @contextlib.asynccontextmanager

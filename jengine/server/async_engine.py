@@ -105,7 +105,7 @@ class AsyncEngine:
                  admission: AdmissionLimits | None = None):
         self.engine = engine
         self.admission = admission or AdmissionLimits()
-        self.work = WorkQueue(self.admission, int(engine.resolved.config.max_running_requests))
+        self.work = WorkQueue(self.admission, int(engine.plan.scheduler.max_running_requests))
         self._pending_aborts: dict[str, str] = {}  # rid -> message, for the next abort_many
         self._abort_lock = threading.Lock()
         self._abort_flush_scheduled = False

@@ -97,11 +97,11 @@ def main(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     try:
-        app = create_app(engine, api_key=config.api_key, served_model_name=config.served_model_name,
-                         extra_info={"graceful_shutdown_timeout": args.graceful_shutdown_timeout},
+        options = engine.plan.server
+        app = create_app(engine, extra_info={"graceful_shutdown_timeout": args.graceful_shutdown_timeout},
                          admission=admission)
         server = GracefulServer(
-            uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+            uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
                            timeout_graceful_shutdown=args.graceful_shutdown_timeout + 10.0,
                            access_log=level <= logging.DEBUG),
             app.state.server.aengine, grace_s=args.graceful_shutdown_timeout)
@@ -109,7 +109,7 @@ def main(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     if not server.started:
-        logger.error("the server did not start (is %s:%d free?)", config.host, config.port)
+        logger.error("the server did not start (is %s:%d free?)", options.host, options.port)
         return 1
     logger.info("server stopped")
     return 0
