@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from interop.twin_autograd import blockwise_log_sum_exp
 from interop.twins import TwinTable, plan_twin_table
 from jengine.logprob_orders import BLOCKWISE_VOCAB_BLOCK, LOGPROB_BLOCK_WIDTHS, LOGPROB_ORDERS
 
@@ -47,15 +48,14 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, form: str = "
         raise ValueError(f"targets must have shape ({rows},), got {tuple(targets.shape)}")
     table = table or plan_twin_table(logits.device.type)
     x = logits.float()  # bf16 -> f32 is exact
-    row_max = x.amax(dim=-1, keepdim=True)
+    # The shift cancels in the logprob (log-softmax is shift-invariant): it carries no gradient.
+    row_max = x.detach().amax(dim=-1, keepdim=True)
     row_max = torch.where(row_max == 0, torch.zeros_like(row_max), row_max)  # -0.0 -> +0.0
     shifted = x - row_max
     target = shifted.gather(-1, targets.long()[:, None])
-    # [T, ceil(V / block)]: a last block short of the width is completed with -inf logits.
-    partials = table.block_sumexp(shifted.contiguous(), block_size=block_size)
-    total = partials[:, 0]
-    for j in range(1, partials.shape[1]):  # rank order: shard 0, 1, 2, ... left to right
-        total = total + partials[:, j]
-    log_s = table.elementwise["log"](total.contiguous())[:, None]
+    # Per-block sums over ceil(V / block) blocks (a last block short of the width is completed with
+    # -inf logits), folded in rank order: shard 0, 1, 2, ... left to right; differentiable.
+    log_s = blockwise_log_sum_exp(shifted, block_sumexp=table.block_sumexp,
+                                  log=table.elementwise["log"], block_size=block_size)[:, None]
     out = -(log_s - target) if form == "neg-ce" else target - log_s
     return out[:, 0]

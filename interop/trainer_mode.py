@@ -21,8 +21,12 @@ Unsupported call forms (e.g. ``addmm`` with beta != 1, a mean over another axis)
 kernel and are counted in ``TrainerMode.fallbacks`` -- the dump writer prints them, because a
 fallback on the model's path means its bits are torch's, not the engine's.
 
-Scope: forward only (no autograd formulas are registered), unpadded causal sequences (the twin
-attention refuses masks other than plain causal, and a KV cache), bf16 or f32 models.
+Gradients: ``loss.backward()`` works under trainer mode. The overrides sit below autograd, so torch's
+own derivative formulas apply to the routed aten ops; the attention twin carries its own backward
+(interop/twin_autograd.py). Only the forward is bitwise; the backward is accurate torch arithmetic.
+
+Scope: unpadded causal sequences (the twin attention refuses masks other than plain causal, and a
+KV cache), bf16 or f32 models.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any
 
 import torch
 
+from interop.twin_autograd import twin_attention
 from interop.twins import TwinError, TwinTable, plan_twin_table
 
 logger = logging.getLogger(__name__)
@@ -243,7 +248,7 @@ def register_twin_attention(table: TwinTable) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    def twin_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                        sliding_window=None, **kwargs):
         """query [B, Hq, S, D], key/value [B, Hkv, S, D] -> ([B, S, Hq, D], None)."""
         if dropout:
@@ -257,9 +262,9 @@ def register_twin_attention(table: TwinTable) -> None:
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-        return table.attention(q, k, v, scale=float(scaling)), None
+        return twin_attention(table.attention, q, k, v, scale=float(scaling)), None
 
-    AttentionInterface.register(ATTENTION_NAME, twin_attention)
+    AttentionInterface.register(ATTENTION_NAME, attention)
     # A mask builder under the same name, so a padded or packed batch reaches the twin as a mask
     # it can refuse (a name without one gets no mask at all).
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)

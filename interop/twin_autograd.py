@@ -1,0 +1,99 @@
+"""Gradients under trainer mode: the forward is the twin (the engine's bits), the backward is torch.
+
+A trainer differentiates the same forward whose logprobs it compares with the engine's, so every
+twin trainer mode calls must carry a backward. Only the forward is promised bitwise; a backward may
+use any accurate arithmetic, so each one here is the textbook formula in plain torch, in f32.
+
+Trainer mode reaches the twins two ways, and each way gets its backward differently:
+
+* The aten overrides (mm, addmm, bmm, mean.dim, rsqrt, silu, cos, sin, pow, exp, log) sit at the
+  CPU/CUDA *backend* dispatch key, below autograd. Autograd records each call with torch's own
+  derivative formula (derivatives.yaml: ``MmBackward0``, ``RsqrtBackward0``, ...) before handing it
+  down to the twin, so those ops need nothing here. The formulas' own ops run under trainer mode
+  too (a backward ``mm`` is the fixed-order GEMM twin): accurate, just not the fast kernels.
+* Two twins are called from Python, above the dispatcher, where autograd cannot see into them: the
+  dense-causal attention (selected through transformers' ``AttentionInterface``) and the blockwise
+  log-sum-exp of the trainer's logprob (interop/trainer_logprobs.py). A twin returns a fresh tensor
+  from JAX, which would silently cut the graph; the ``torch.autograd.Function``s below wrap them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def causal_attention_backward(q, k, v, grad_out, scale: float):
+    """(dq, dk, dv) of softmax(q k^T * scale, causal) v, in f32, cast to the inputs' dtypes.
+
+    q [B, S, Hq, D], k/v [B, S, Hkv, D], grad_out [B, S, Hq, D]; query head h reads KV head
+    h // (Hq // Hkv), as the engine's leaf and HF's ``repeat_kv`` do.
+    """
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    group = hq // hkv
+    qf = q.float().transpose(1, 2)  # [B, Hq, S, D]
+    kf = k.float().transpose(1, 2).repeat_interleave(group, dim=1)
+    vf = v.float().transpose(1, 2).repeat_interleave(group, dim=1)
+    do = grad_out.float().transpose(1, 2)
+    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    p = torch.softmax((qf @ kf.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf")), dim=-1)
+    dp = do @ vf.transpose(-1, -2)
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True))  # softmax's Jacobian applied to dp
+    dq = ds @ kf * scale
+    dk = ds.transpose(-1, -2) @ qf * scale
+    dv = p.transpose(-1, -2) @ do
+
+    def per_kv_head(t):  # [B, Hq, S, D] -> [B, S, Hkv, D]: a KV head's grads sum over its group
+        return t.reshape(b, hkv, group, s, d).sum(2).transpose(1, 2)
+
+    return dq.transpose(1, 2).to(q.dtype), per_kv_head(dk).to(k.dtype), per_kv_head(dv).to(v.dtype)
+
+
+class _TwinAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, twin, scale):
+        ctx.save_for_backward(q, k, v)
+        ctx.scale = scale
+        return twin(q, k, v, scale=scale)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v = ctx.saved_tensors
+        return (*causal_attention_backward(q, k, v, grad_out, ctx.scale), None, None)
+
+
+def twin_attention(twin: Callable, q, k, v, *, scale: float):
+    """``twin(q, k, v, scale=scale)`` (the dense-causal attention leaf's twin: q [B, S, Hq, D],
+    k/v [B, S, Hkv, D]) with a backward, so gradients reach q, k and v."""
+    return _TwinAttention.apply(q, k, v, twin, scale)
+
+
+def fold_partials(partials):
+    """Per-block sums [R, blocks] -> [R], folded left to right (the trainer's rank order)."""
+    total = partials[:, 0]
+    for j in range(1, partials.shape[1]):
+        total = total + partials[:, j]
+    return total
+
+
+class _BlockwiseLogSumExp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shifted, block_sumexp, log, block_size):
+        total = fold_partials(block_sumexp(shifted.contiguous(), block_size=block_size))
+        log_s = log(total.contiguous())
+        ctx.save_for_backward(shifted)
+        return log_s
+
+    @staticmethod
+    def backward(ctx, grad_log_s):
+        (shifted,) = ctx.saved_tensors
+        # d log(sum_j exp(x_j)) / d x_i = softmax(x)_i; the block split does not change the sum.
+        return grad_log_s[:, None] * torch.softmax(shifted, dim=-1), None, None, None
+
+
+def blockwise_log_sum_exp(shifted, *, block_sumexp: Callable, log: Callable, block_size: int):
+    """f32[R] log(S) of f32[R, V] ``shifted`` logits: S = ``block_sumexp``'s per-block sums of exp
+    folded left to right, then ``log`` (the twins' bits); backward: the softmax of ``shifted``."""
+    return _BlockwiseLogSumExp.apply(shifted, block_sumexp, log, block_size)
