@@ -227,7 +227,8 @@ def test_stats_and_server_info_keys(eng):
     stats = eng.stats()
     assert set(stats) == {"num_running", "num_waiting", "kv_used_tokens", "kv_total_tokens",
                           "cache_hit_tokens_total", "retractions_total", "prompt_tokens_total",
-                          "generation_tokens_total", "requests_total", "step_latency_seconds"}
+                          "generation_tokens_total", "requests_total", "step_latency_seconds",
+                          "weight_version", "paused", "memory_released"}
     assert stats["kv_total_tokens"] == 4096 and stats["generation_tokens_total"] > 0
     info = eng.server_info()
     assert info["numerics"] == "auto" and info["vocab_size"] == eng.model_config.vocab_size

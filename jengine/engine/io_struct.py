@@ -51,6 +51,7 @@ def build_output(req: "RequestState") -> dict[str, Any]:
         "prompt_tokens": req.prompt_len,
         "completion_tokens": len(req.output_ids),
         "cached_tokens": req.cached_tokens,
+        "weight_version": req.weight_version,
     }
     if req.return_logprob:
         s = req.logprob_start_len

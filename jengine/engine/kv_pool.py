@@ -22,6 +22,23 @@ class KVPool:
         self._copy = jax.jit(_copy, donate_argnums=(0,))
         self._write = jax.jit(_write, donate_argnums=(0,))
 
+    # -- memory release (an RL loop hands the accelerator to its trainer between rollouts) ----------
+    @property
+    def released(self) -> bool:
+        return self.arrays is None
+
+    def release(self) -> None:
+        """Free the pool's device buffers now (not when the garbage collector gets to them)."""
+        if self.arrays is not None:
+            for array in jax.tree.leaves(self.arrays):
+                array.delete()
+            self.arrays = None
+
+    def resume(self) -> None:
+        """A fresh zeroed pool, the same shapes and placement: the step programs are reused."""
+        if self.arrays is None:
+            self.arrays = self.spec.allocate(self.num_pages, self.page_size, self.dtype)
+
     def copy(self, src: list[int], dst: list[int]) -> None:
         if len(src):
             self.arrays = self._copy(self.arrays, np.asarray(src, np.int32),

@@ -27,7 +27,7 @@ from jengine.engine.batch import StepBatch
 from jengine.engine.kv_pool import KVPool
 from jengine.launch import RunnerConfig
 from jengine.models.kv_cache import NULL_PAGE
-from jengine.models.layers.param import weight_source
+from jengine.models.layers.param import OverlaySource, weight_source
 from jengine.models.registry import get_family
 from pallas_kernels.fixed_order import next_pow2
 
@@ -58,6 +58,7 @@ class ModelRunner:
         # in C++, an nnx.State (hundreds of leaves) through Python callbacks -- host time each step.
         self._params, self._state_def = jax.tree.flatten(state)
         self._params = tuple(self._params)
+        self._host_params: tuple | None = None  # while the weights are released (release_weights)
 
         kv = cfg.kv
         self.page_size = kv.page_size
@@ -91,14 +92,63 @@ class ModelRunner:
         of HF tensor name -> array, a checkpoint reader, or a weight source -- the same path the
         model was first loaded through, one tensor at a time.
 
-        The model is rebuilt from the runner's config with the frozen kernel plans, so it has
-        the same structure; each tensor is checked against its spec (name, shape) as it is read.
-        Only the parameter state replaces the old one, so the compiled step programs are reused.
         The KV pool is not touched: the caller flushes cached prefixes, which were computed with
-        the old weights.
+        the old weights (the engine's update_weights_* do; docs/engine.md, "Weight updates").
         """
+        self.swap_params(self.build_params(weights))
+
+    def build_params(self, weights, *, only: frozenset[str] | None = None) -> tuple:
+        """The parameter tuple `weights` give, built next to the serving one (nothing swapped).
+
+        The model is rebuilt from the runner's config with the frozen kernel plans, so it has the
+        same structure; each tensor is checked against its spec (name, shape) as it is read.
+        only: the tensors `weights` holds when it is a partial update (a reader naming only
+        them); every other parameter keeps its current array (`OverlaySource`).
+        """
+        if only is not None:
+            model = self._model(self._live_params())
+            named, specs = model.named_parameters(), self.param_specs()
+            weights = OverlaySource(weights, {specs[p]: named[p] for p in specs})
         _, state = nnx.split(self._build_model(weights))
-        self._params = tuple(jax.tree.leaves(state))
+        return tuple(jax.tree.leaves(state))
+
+    def swap_params(self, params: tuple) -> None:
+        """Serve `params` from the next step on. Same shapes and dtypes as the current tuple, so
+        the compiled step programs are reused (a difference here would be a runner bug)."""
+        old = self._host_params if self._params is None else self._params
+        for i, (new, cur) in enumerate(zip(params, old, strict=True)):
+            if new.shape != cur.shape or new.dtype != cur.dtype:
+                raise ValueError(f"parameter {i}: {new.shape} {new.dtype} would replace "
+                                 f"{cur.shape} {cur.dtype}")
+        self._params, self._host_params = tuple(params), None
+
+    def _live_params(self) -> tuple:
+        if self._params is None:
+            raise RuntimeError("the weights are released; resume them first")
+        return self._params
+
+    # -- memory release -----------------------------------------------------------------------------
+    @property
+    def weights_released(self) -> bool:
+        return self._params is None
+
+    def release_weights(self) -> None:
+        """Copy the parameters to the host, then free their device buffers now. `resume_weights`
+        puts the same bytes back on the same placement (a weight update also ends the release)."""
+        if self._params is None:
+            return
+        # An uncommitted array goes back uncommitted: committed-ness is part of the jit cache key.
+        self._placements = tuple(p.sharding if p.committed else None for p in self._params)
+        self._host_params = tuple(np.asarray(p) for p in self._params)
+        for p in self._params:
+            p.delete()
+        self._params = None
+
+    def resume_weights(self) -> None:
+        if self._params is None:
+            self._params = tuple(jax.device_put(h, s)
+                                 for h, s in zip(self._host_params, self._placements))
+            self._host_params = None
 
     def _model(self, params):
         return nnx.merge(self._graphdef, jax.tree.unflatten(self._state_def, params))

@@ -45,6 +45,7 @@ class StepOutput:
     prompt_top_logprobs: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None  # set once the engine finished the request
     cached_tokens: int = 0
+    weight_version: str = ""  # the weights this step ran with
 
     @classmethod
     def for_segment(cls, req: Req, res: Any, sampled: bool) -> "StepOutput":
@@ -87,6 +88,7 @@ class RequestState:
     text: str = ""
     finish_reason: dict[str, Any] | None = None
     cached_tokens: int = 0
+    weight_version: str = ""
     input_token_logprobs: list[float] = field(default_factory=list)
     input_top_logprobs: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     output_token_logprobs: list[float] = field(default_factory=list)
@@ -111,6 +113,7 @@ class RequestState:
     def apply(self, ev: StepOutput) -> bool:
         """Fold one event in. Returns True when a stop string finished the request here."""
         self.cached_tokens = ev.cached_tokens
+        self.weight_version = ev.weight_version or self.weight_version
         self.input_token_logprobs.extend(ev.prompt_logprobs)
         self.input_top_logprobs.extend(ev.prompt_top_logprobs)
         reason = ev.finish_reason

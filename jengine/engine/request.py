@@ -211,6 +211,9 @@ class Req:
     admit_seq: int = -1  # admission order (retraction victims: latest admitted first)
     image: RetractionImage | None = None
     retractions: int = 0
+    # False once the weights changed under this request (an update while generation was paused):
+    # its KV then mixes two weight versions and is never offered to the prefix cache.
+    kv_reusable: bool = True
 
     # Set by the engine thread when a token-level stop condition (or an abort) ends the request.
     # Text, stop strings and logprob lists live in the output processor's RequestState.

@@ -108,7 +108,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if cache_kv and self.cache is not None and req.num_computed > 0 and req.pages:
+        if (cache_kv and req.kv_reusable and self.cache is not None and req.num_computed > 0
+                and req.pages):
             tokens = req.fill_ids[: req.num_computed]
             self.cache.insert(tokens, req.pages[: self.kv.pages_for(len(tokens))])
         self.kv.decref(req.pages)
@@ -118,6 +119,14 @@ class Scheduler:
     def flush_cache(self) -> None:
         if self.cache is not None:
             self.cache.flush()
+
+    def retract_all(self) -> list[KVTransfer]:
+        """Retract every running request (KV saved to host, pages freed) and hand back the page
+        saves to run NOW: no step follows while generation is paused."""
+        for req in sorted(self.running, key=lambda r: r.admit_seq, reverse=True):
+            self.retract(req)  # latest first, so the earliest ends up first in `waiting`
+        transfers, self._transfers = self._transfers, []
+        return transfers
 
     # -- retraction -----------------------------------------------------------------------------
     def retract(self, req: Req) -> None:

@@ -5,6 +5,9 @@ Routes (docs/serving.md has a curl example for each):
     POST /v1/completions, /v1/chat/completions, GET /v1/models      OpenAI (openai_api.py)
     GET  /health, /health_generate, /get_model_info, /get_server_info, /metrics
     POST /flush_cache, /abort_request
+    POST /update_weights_from_disk, /update_weights_from_tensor, /pause_generation,
+         /continue_generation, /release_memory_occupation, /resume_memory_occupation
+    GET  /get_weight_version                                         the RL loop (rl_api.py)
 
 Every client mistake is a 400 (413 for an oversized body) whose JSON body names the field and the
 value (errors.py); a request that could be served later, but not now, is a 503 with Retry-After
@@ -34,6 +37,7 @@ from jengine.server.inputs import model_limits
 from jengine.server.metrics import CONTENT_TYPE, ServerMetrics
 from jengine.server.openai_api import router as openai_router
 from jengine.server.protocol import AbortRequest, parse_body
+from jengine.server.rl_api import router as rl_router
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +89,7 @@ def create_app(engine: Any, *, api_key: str | None = None, served_model_name: st
     app.add_exception_handler(Exception, _internal_error)
     app.include_router(generate_router)
     app.include_router(openai_router)
+    app.include_router(rl_router)
     _add_admin_routes(app, state)
     app.add_middleware(RequestCounter, counter=state.metrics.http_requests)
     if api_key:

@@ -73,12 +73,13 @@ def _json_safe(value: Any) -> Any:
 
 def error_response(message: str, field: str | None = None, value: Any = None,
                    status: int = 400, kind: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+                   headers: dict[str, str] | None = None, extra: dict | None = None) -> JSONResponse:
+    """extra: top-level keys beside "error" (the RL routes add SGLang's success and message)."""
     kind = kind or {400: "invalid_request_error", 401: "authentication_error",
                     404: "not_found_error", 413: "request_too_large",
                     503: "service_unavailable"}.get(status, "server_error")
     body = {"error": {"message": message, "type": kind, "field": field, "value": _json_safe(value),
-                      "code": status}}
+                      "code": status}, **(extra or {})}
     return JSONResponse(body, status_code=status, headers=headers)
 
 

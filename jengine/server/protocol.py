@@ -166,3 +166,39 @@ class ChatCompletionRequest(_OpenAIBase):
 class AbortRequest(_Strict):
     rid: str | None = None
     abort_all: bool = False
+
+
+# -- the RL loop's admin bodies (rl_api.py): SGLang's io_struct names and fields ------------------
+class UpdateWeightFromDiskReqInput(_Strict):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+
+
+class UpdateWeightsFromTensorReqInput(_Strict):
+    """serialized_named_tensors: base64 strings, each a safetensors file's bytes; together one
+    bucket (SGLang sends one pickled entry per TP rank: jengine never unpickles)."""
+
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class ReleaseMemoryOccupationReqInput(_Strict):
+    tags: list[str] | None = None  # kv_cache, weights; null: both
+
+
+class ResumeMemoryOccupationReqInput(_Strict):
+    tags: list[str] | None = None
+
+
+class PauseGenerationReqInput(_Strict):
+    mode: str = "abort"  # abort, retract, in_place
+
+
+class ContinueGenerationReqInput(_Strict):
+    pass

@@ -14,6 +14,9 @@ A weight source turns a spec into the model's array, on its placement:
   the exact operations (and so the exact bits) the model has always been built with.
 - `RandomSource(seed)`: normal values created on the device (the bench builds 8B-shaped models;
   none of it is ever on the host).
+- `OverlaySource(updates, current)`: a weight update that names only some tensors (a trainer's
+  bucket): those are read through a `CheckpointSource`, every other parameter keeps its current
+  array.
 """
 
 from __future__ import annotations
@@ -76,12 +79,19 @@ class MappingReader:
         return tuple(np.shape(self._tensors[name]))
 
     def dtype(self, name: str) -> str:
-        return np.asarray(self._tensors[name]).dtype.name
+        value = self._tensors[name]
+        try:  # numpy and jax arrays name their dtype without a host copy
+            return np.dtype(value.dtype).name
+        except (AttributeError, TypeError):
+            return np.asarray(value).dtype.name
 
-    def read(self, name: str) -> np.ndarray:
+    def read(self, name: str):
+        import jax
+
         if name not in self._tensors:
             raise KeyError(f"checkpoint is missing tensor {name!r}")
-        return np.asarray(self._tensors[name])
+        value = self._tensors[name]
+        return value if isinstance(value, jax.Array) else np.asarray(value)
 
 
 class CheckpointSource:
@@ -95,7 +105,9 @@ class CheckpointSource:
     def place(self, spec: ParamSpec):
         import jax
 
-        arr = np.asarray(self.reader.read(spec.checkpoint))
+        arr = self.reader.read(spec.checkpoint)
+        if not isinstance(arr, jax.Array):  # a device array (DLPack handoff) stays on the device
+            arr = np.asarray(arr)
         if spec.rows is not None:
             arr = arr[: spec.rows]
         if spec.transpose:
@@ -123,6 +135,20 @@ class RandomSource:
         fan_in = spec.shape[0] if spec.transpose else spec.shape[-1]
         scale = 1.0 if len(spec.shape) == 1 else fan_in ** -0.5
         return (jax.random.normal(key, spec.shape, jnp.float32) * scale).astype(spec.dtype)
+
+
+class OverlaySource:
+    """The tensors `updates` (a reader) names, read like a checkpoint; every other parameter is
+    its array in `current` (spec -> the array the model holds now). Two specs may share a
+    checkpoint tensor (a tied head): both are refilled when it is updated."""
+
+    def __init__(self, updates: CheckpointReader, current: Mapping[ParamSpec, Any]):
+        self.names = frozenset(updates.names())
+        self._read = CheckpointSource(updates)
+        self._current = current
+
+    def place(self, spec: ParamSpec):
+        return self._read.place(spec) if spec.checkpoint in self.names else self._current[spec]
 
 
 def weight_source(weights) -> WeightSource:
