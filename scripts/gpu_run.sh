@@ -31,6 +31,10 @@
 #   goldens_record scripts/goldens.py record: tiny, families and production-width goldens on the
 #                  GPU (ids + logprob bits, trainer dumps on CUDA) -> $out/h200.json
 #   goldens_check  scripts/goldens.py check tests/goldens/h200.json: every bit unchanged
+#   rl_loop_prod   examples/rl_loop.py on a Llama-3-8B-width 2-layer random checkpoint: rollouts from
+#                  a real rl-bitwise server, the trainer on CUDA under trainer mode, weights pushed
+#                  back over /update_weights_from_tensor; then scripts/memory_release_check.py on
+#                  the same checkpoint (device bytes_in_use across release/resume, bits after)
 #   harness_prod_<case>  jengine invariance on that case's production-width checkpoint (run its
 #                  accept_<case> step first in the same call: it builds the checkpoint)
 set -u
@@ -80,6 +84,10 @@ for s in "$@"; do
     acceptance) step acceptance 1500 python3 scripts/gpu_acceptance.py --out "$out/acceptance" ;;
     goldens_record) step goldens_record 560 python3 scripts/goldens.py record --sections tiny families production --device cuda --out "$out/h200.json" ;;
     goldens_check) step goldens_check 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
+    rl_loop_prod)
+      step rl_checkpoint 120 python3 -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; from gpu_acceptance import CASES, build_model; arch, dims = CASES['llama']; build_model(Path('/tmp/rl_llama'), arch, dims, seed=3)"
+      step rl_loop_prod 400 python3 examples/rl_loop.py --model /tmp/rl_llama --device cuda --steps 3 --prompts 4 --group 4 --prompt-len 64 --max-new-tokens 32 --max-request-bytes 4294967296
+      step memory_release 200 python3 scripts/memory_release_check.py --model-path /tmp/rl_llama ;;
     harness_prod_*) step "$s" 300 python3 -m jengine.cli invariance --model "/tmp/acceptance/${s#harness_prod_}" --numerics rl-bitwise --max-new-tokens 8 ;;
     *) echo "unknown step $s" | tee -a "$out/summary.md" ;;
   esac
