@@ -34,7 +34,9 @@
 #   rl_loop_prod   examples/rl_loop.py on a Llama-3-8B-width 2-layer random checkpoint: rollouts from
 #                  a real rl-bitwise server, the trainer on CUDA under trainer mode, weights pushed
 #                  back over /update_weights_from_tensor; then scripts/memory_release_check.py on
-#                  the same checkpoint (device bytes_in_use across release/resume, bits after)
+#                  the same checkpoint (device bytes_in_use across release/resume, bits after),
+#                  and scripts/gpu_weight_update.py (in-process from CUDA tensors via DLPack, and
+#                  from disk: the updated engine == a fresh engine on the new weights, bitwise)
 #   harness_prod_<case>  jengine invariance on that case's production-width checkpoint (run its
 #                  accept_<case> step first in the same call: it builds the checkpoint)
 set -u
@@ -85,9 +87,10 @@ for s in "$@"; do
     goldens_record) step goldens_record 560 python3 scripts/goldens.py record --sections tiny families production --device cuda --out "$out/h200.json" ;;
     goldens_check) step goldens_check 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
     rl_loop_prod)
-      step rl_checkpoint 120 python3 -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; from gpu_acceptance import CASES, build_model; arch, dims = CASES['llama']; build_model(Path('/tmp/rl_llama'), arch, dims, seed=3)"
-      step rl_loop_prod 400 python3 examples/rl_loop.py --model /tmp/rl_llama --device cuda --steps 3 --prompts 4 --group 4 --prompt-len 64 --max-new-tokens 32 --max-request-bytes 4294967296
-      step memory_release 200 python3 scripts/memory_release_check.py --model-path /tmp/rl_llama ;;
+      step rl_checkpoint 90 python3 -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; from gpu_acceptance import CASES, build_model; arch, dims = CASES['llama']; build_model(Path('/tmp/rl_llama'), arch, dims, seed=3)"
+      step rl_loop_prod 260 python3 examples/rl_loop.py --model /tmp/rl_llama --device cuda --steps 3 --prompts 4 --group 4 --prompt-len 64 --max-new-tokens 32 --max-request-bytes 4294967296
+      step memory_release 90 python3 scripts/memory_release_check.py --model-path /tmp/rl_llama
+      step weight_update 150 python3 scripts/gpu_weight_update.py --w0 /tmp/rl_llama --work /tmp/wu ;;
     harness_prod_*) step "$s" 300 python3 -m jengine.cli invariance --model "/tmp/acceptance/${s#harness_prod_}" --numerics rl-bitwise --max-new-tokens 8 ;;
     *) echo "unknown step $s" | tee -a "$out/summary.md" ;;
   esac
