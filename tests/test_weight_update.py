@@ -16,7 +16,7 @@ import pytest
 
 from interop.testing import make_tiny_hf_model
 from jengine import Engine
-from jengine.engine.engine import EngineStateError
+from jengine.engine.rl_control import EngineStateError
 from jengine.engine.request import InvalidRequest
 
 LAUNCH = dict(numerics="rl-bitwise", skip_warmup=True, page_size=4, chunked_prefill_size=8,

@@ -17,11 +17,9 @@ ValueError naming the field and value, and nothing is queued); the engine loop r
 An exception inside a step fails the requests of that step (finish_reason abort, with the message)
 and the loop keeps serving the others.
 
-Between steps the engine thread also runs the RL loop's commands (docs/engine.md, "Weight updates,
-memory release, pause"): a weight swap (the new parameter tuple is built and checked in the
-caller's thread, next to the serving one; by default the swap waits until the requests already
-submitted finish, holding back new ones until it is applied), pause / continue, and the release / resume of the
-weights' and the KV pool's device memory. No step runs while paused or released.
+Between steps the engine thread also runs the RL loop's commands (weight swaps, pause / continue,
+memory release / resume); they, their public methods and their state are `RLControl`
+(rl_control.py), a base class of `Engine`. No step runs while paused or released.
 """
 
 from __future__ import annotations
@@ -41,24 +39,14 @@ from jengine.engine.kv_manager import KVManager
 from jengine.engine.step_executor import SegmentResult, execute_step
 from jengine.engine.output_processor import OutputProcessor, RequestState, StepOutput
 from jengine.engine.request import InvalidRequest, Req
-from jengine.engine.weight_update import (CheckedReader, arrays_from_safetensors,
-                                          arrays_from_tensors, launch_dtypes, read_update_checkpoint)
-from jengine.models.layers.param import MappingReader
+from jengine.engine.rl_control import RLControl
 from jengine.engine.scheduler import Scheduler, Segment
 from jengine.launch import LaunchPlan
 
 logger = logging.getLogger("jengine.engine")
 
-PAUSE_MODES = ("abort", "retract", "in_place")
-MEMORY_TAGS = ("kv_cache", "weights")
 
-
-class EngineStateError(RuntimeError):
-    """A command the engine's state refuses now (memory released, requests in flight): nothing
-    changed; the message says what to do first."""
-
-
-class Engine:
+class Engine(RLControl):
     def __init__(self, model_path: str = "tiny", numerics: str = "auto", **launch_options: Any) -> None:
         self._start(launch_config_from_kwargs(model_path, numerics=numerics, **launch_options))
 
@@ -131,19 +119,7 @@ class Engine:
         logger.info("KV pool: %d pages x %d tokens = %d tokens; context %d", self.kv.capacity_pages,
                     self.kv.page_size, self.kv.capacity_pages * self.kv.page_size, self.max_context)
 
-        # Weight updates (docs/engine.md): what each update is checked against, and the state
-        # the engine thread keeps for the RL loop's commands.
-        specs = runner.param_specs() if hasattr(runner, "param_specs") else {}
-        self._known_names = frozenset(s.checkpoint for s in specs.values()) | (
-            {"lm_head.weight"} if getattr(model_config, "tie_word_embeddings", False) else set())
-        self._launch_dtypes = launch_dtypes(launch_weights, {s.checkpoint for s in specs.values()})
-        self.weight_version = "default"
-        self._update_lock = threading.Lock()  # one build (or release) next to the weights at a time
-        self._paused: str | None = None  # a PAUSE_MODES entry while generation is paused
-        self._released: set[str] = set()  # MEMORY_TAGS whose device memory is given back
-        self._waiting_swaps: list[tuple[Any, dict]] = []  # until the requests in flight finish
-        self._held: list[Req] = []  # requests that arrived while a swap waits: the new weights'
-        self._flush_on_weight_change = True  # tests turn it off to show a stale cache is caught
+        self._init_rl_control(runner, model_config, launch_weights)
 
         self._tracked: dict[str, RequestHandle] = {}  # in flight, by rid; guarded by _cv
         self._inbox: list[tuple[str, Any]] = []
@@ -207,90 +183,6 @@ class Engine:
     def flush_cache(self) -> bool:
         return bool(self._call("flush", None))
 
-    # -- the RL loop: weight updates, pause, memory (docs/engine.md) ---------------------------------
-    def update_weights_from_disk(self, model_path: str, *, abort_all_requests: bool = False,
-                                 weight_version: str | None = None, flush_cache: bool = True,
-                                 load_format: str | None = None) -> dict[str, Any]:
-        """Load every weight from a safetensors directory of the same model (config.json equal but
-        for special ids; each tensor its launch name, shape and stored dtype). A refusal raises
-        InvalidRequest naming the reason; the old weights keep serving."""
-        _check_update_flags(abort_all_requests, weight_version, flush_cache, load_format)
-        with self._update_lock:
-            reader = read_update_checkpoint(model_path, self.model_config)
-            params = self._build_params(reader, "model_path", partial=False)
-        return self._swap(params, abort_all_requests, weight_version)
-
-    def update_weights_from_tensor(self, named_tensors: Any, *, abort_all_requests: bool = False,
-                                   weight_version: str | None = None, flush_cache: bool = True,
-                                   load_format: str | None = None) -> dict[str, Any]:
-        """Replace the named tensors (HF names; a dict or (name, tensor) pairs of torch, numpy or
-        jax arrays, shared without a host copy where the device allows) and keep every other
-        weight: one bucket of a bucketed update applies on its own, as SGLang's does."""
-        _check_update_flags(abort_all_requests, weight_version, flush_cache, load_format)
-        arrays = arrays_from_tensors(named_tensors)
-        with self._update_lock:
-            params = self._build_params(MappingReader(arrays), "named_tensors", partial=True)
-        return self._swap(params, abort_all_requests, weight_version)
-
-    def update_weights_from_safetensors(self, blobs: list[bytes], **options: Any) -> dict[str, Any]:
-        """`update_weights_from_tensor` with the bucket as safetensors-encoded bytes (HTTP)."""
-        return self.update_weights_from_tensor(
-            arrays_from_safetensors(blobs, "serialized_named_tensors"), **options)
-
-    def get_weight_version(self) -> str:
-        return self.weight_version
-
-    def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
-        """Stop stepping. abort: every request in flight finishes with finish_reason abort;
-        retract: running requests give their KV pages back (saved to host, restored when
-        generation continues); in_place: requests keep their pages. New requests queue."""
-        if mode not in PAUSE_MODES:
-            raise InvalidRequest("mode", mode, f"must be one of {', '.join(PAUSE_MODES)}")
-        return self._call_checked("pause", mode)
-
-    def continue_generation(self) -> dict[str, Any]:
-        return self._call_checked("continue", None)
-
-    def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
-        """Give the device memory of `tags` (kv_cache, weights; None: both) back, now. Refused
-        while requests hold what would be freed, unless generation is paused (kv_cache: paused
-        with abort or retract). No step runs until they are resumed."""
-        return self._call_checked("release", _memory_tags(tags))
-
-    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
-        """Re-place the weights (the same bytes) and re-allocate the KV pool zeroed."""
-        return self._call_checked("resume", _memory_tags(tags))
-
-    def _build_params(self, reader: Any, field: str, *, partial: bool) -> tuple:
-        if "weights" in self._released and partial:
-            raise EngineStateError("the weights are released: resume_memory_occupation(tags="
-                                   "['weights']) before a partial update")
-        checked = CheckedReader(reader, field=field, expected_dtypes=self._launch_dtypes,
-                                known_names=self._known_names, require_all=not partial)
-        try:
-            return self.runner.build_params(checked, only=frozenset(checked.names()) if partial
-                                            else None)
-        except (ValueError, KeyError) as exc:  # a tensor's shape, or a missing tensor
-            raise InvalidRequest(field, type(exc).__name__, str(exc).strip("'\""),
-                                 shown=":") from None
-
-    def _swap(self, params: tuple, abort_all: bool, version: str | None) -> dict[str, Any]:
-        result = self._call("swap", (params, abort_all, version))
-        if isinstance(result, Exception):
-            raise result
-        if result is False:
-            raise RuntimeError("the engine is shut down")
-        return result
-
-    def _call_checked(self, op: str, arg: Any) -> dict[str, Any]:
-        with self._update_lock:  # never release weights a build is reading
-            result = self._call(op, arg)
-        if isinstance(result, Exception):
-            raise result
-        if result is False:
-            raise RuntimeError("the engine is shut down")
-        return result
-
     def stats(self) -> dict[str, Any]:
         with self._cv:
             c = dict(self._counters)
@@ -306,9 +198,7 @@ class Engine:
             "generation_tokens_total": c.get("generation_tokens", 0),
             "requests_total": c.get("requests", 0),
             "step_latency_seconds": latency,
-            "weight_version": self.weight_version,
-            "paused": self._paused,
-            "memory_released": sorted(self._released),
+            **self._rl_stats(),
         }
 
     def server_info(self) -> dict[str, Any]:
@@ -415,8 +305,7 @@ class Engine:
                     for op, payload in self._inbox:  # release anyone blocked in _call
                         if op not in ("add", "finish"):  # the ones a caller waits on
                             payload[1]["done"].set()
-                    for _, box in self._waiting_swaps:
-                        box["done"].set()
+                    self._unblock_swap_callers()
                     return
                 inbox, self._inbox = self._inbox, []
             for op, payload in inbox:
@@ -431,7 +320,7 @@ class Engine:
             self._flush_events()
 
     def _can_step(self) -> bool:
-        return self.scheduler.has_work() and self._paused is None and not self._released
+        return self.scheduler.has_work() and not self._steps_blocked()
 
     def _flush_events(self) -> None:
         events, self._events = self._events, []
@@ -439,10 +328,7 @@ class Engine:
 
     def _handle(self, op: str, payload: Any) -> None:
         if op == "add":
-            if self._waiting_swaps:
-                self._held.append(payload)
-            else:
-                self.scheduler.add_request(payload)
+            self._admit(payload)
             return
         if op == "finish":
             # The processor already delivered the final output (stop string, or abort from a
@@ -458,11 +344,8 @@ class Engine:
                 rids, message = arg
                 aborted = 0
                 for rid in rids:
-                    req = self.scheduler.find(rid) or next(
-                        (r for r in self._held if r.rid == rid), None)
+                    req = self.scheduler.find(rid) or self._take_held(rid)
                     if req is not None:
-                        if req in self._held:
-                            self._held.remove(req)
                         self.scheduler.finish(req)
                         req.finish("abort", message=message)
                         self._emit(req)
@@ -472,11 +355,7 @@ class Engine:
                 self.scheduler.flush_cache()
                 box["result"] = True
             elif op == "swap":
-                params, abort_all, version = arg
-                if abort_all:
-                    self._abort_all("aborted for a weight update")
-                self._waiting_swaps.append(((params, version), box))
-                self._apply_waiting_swaps()
+                self._queue_swap(arg, box)
                 return  # the caller is released when the swap is applied
             else:
                 box["result"] = self._control(op, arg)
@@ -486,82 +365,6 @@ class Engine:
         finally:
             if op != "swap" or "result" in box:  # a queued swap is released when applied
                 box["done"].set()
-
-    def _abort_all(self, message: str) -> int:
-        reqs = list(self.scheduler.running) + list(self.scheduler.waiting) + self._held
-        self._held = []
-        for req in reqs:
-            self.scheduler.finish(req, cache_kv=False)
-            req.finish("abort", message=message)
-            self._emit(req)
-        return len(reqs)
-
-    def _apply_waiting_swaps(self) -> None:
-        """Swap in updates once nothing in flight would see two weight versions -- at once while
-        generation is paused (SGLang's partial rollout: paused requests continue on the new
-        weights, their KV never cached)."""
-        if not self._waiting_swaps or (self.scheduler.has_work() and self._paused is None):
-            return
-        for (params, version), box in self._waiting_swaps:
-            try:
-                self.runner.swap_params(params)
-                for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-                    req.kv_reusable = False
-                if self._flush_on_weight_change:
-                    self.scheduler.flush_cache()  # no KV computed with the old weights is reused
-                if version is not None:
-                    self.weight_version = version
-                self._released.discard("weights")
-                box["result"] = {"success": True, "message": "weights updated",
-                                 "weight_version": self.weight_version}
-            except Exception as exc:
-                logger.exception("weight swap failed")
-                box["result"] = exc
-            finally:
-                box["done"].set()
-        self._waiting_swaps = []
-        for req in self._held:
-            self.scheduler.add_request(req)
-        self._held = []
-
-    def _control(self, op: str, arg: Any) -> dict[str, Any]:
-        """pause / continue / release / resume, between steps; a refusal is returned, not raised."""
-        if op == "pause":
-            count = 0
-            if arg == "abort":
-                count = self._abort_all("aborted by pause_generation")
-            elif arg == "retract":
-                count = len(self.scheduler.running)
-                self.runner.execute_kv_transfers(self.scheduler.retract_all())
-            self._paused = arg
-            return {"success": True, "message": f"generation paused ({arg}); {count} request(s) "
-                    f"{'aborted' if arg == 'abort' else 'retracted' if arg == 'retract' else 'kept'}"}
-        if op == "continue":
-            self._paused = None
-            return {"success": True, "message": "generation continues"}
-        if op == "release":
-            busy = len(self.scheduler.running) + len(self.scheduler.waiting)
-            if busy and self._paused is None:
-                return EngineStateError(f"{busy} request(s) in flight: pause_generation first (or "
-                                        "wait until they finish)")
-            if "kv_cache" in arg and self.scheduler.running:
-                return EngineStateError(f"{len(self.scheduler.running)} paused request(s) hold KV "
-                                        "pages: pause_generation(mode='retract' or 'abort') first")
-            if "kv_cache" in arg:
-                self.scheduler.flush_cache()  # its pages are about to lose their bytes
-                self.runner.kv_pool.release()
-            if "weights" in arg:
-                self.runner.release_weights()
-            self._released |= set(arg)
-            return {"success": True, "message": f"released {', '.join(arg)}"}
-        if op == "resume":
-            if "weights" in arg:
-                self.runner.resume_weights()
-            if "kv_cache" in arg:
-                self.runner.kv_pool.resume()
-            self._released -= set(arg)
-            return {"success": True, "message": f"resumed {', '.join(arg)}"}
-        raise ValueError(f"unknown engine command {op!r}")
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -662,28 +465,3 @@ def _enable_compilation_cache() -> None:
 
     jax.config.update("jax_compilation_cache_dir", str(cache_root() / "jax"))
 
-
-def _check_update_flags(abort_all_requests: Any, weight_version: Any, flush_cache: Any,
-                        load_format: Any) -> None:
-    """SGLang's update options. flush_cache is accepted but the prefix cache is flushed on every
-    weight change all the same: KV of the old weights must never be reused (docs/engine.md)."""
-    for name, value in (("abort_all_requests", abort_all_requests), ("flush_cache", flush_cache)):
-        if not isinstance(value, bool):
-            raise InvalidRequest(name, value, "must be a bool")
-    if weight_version is not None and not isinstance(weight_version, str):
-        raise InvalidRequest("weight_version", weight_version, "must be a string or null")
-    if load_format not in (None, "safetensors"):
-        raise InvalidRequest("load_format", load_format, "must be null or 'safetensors' (the only "
-                             "format read)")
-
-
-def _memory_tags(tags: Any) -> tuple[str, ...]:
-    if tags is None:
-        return MEMORY_TAGS
-    if not isinstance(tags, (list, tuple)) or not tags:
-        raise InvalidRequest("tags", tags, f"must be a non-empty list of {', '.join(MEMORY_TAGS)} "
-                             "(or null for all)")
-    for i, tag in enumerate(tags):
-        if tag not in MEMORY_TAGS:
-            raise InvalidRequest(f"tags[{i}]", tag, f"must be one of {', '.join(MEMORY_TAGS)}")
-    return tuple(dict.fromkeys(tags))

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from jengine.engine.engine import EngineStateError
+from jengine.engine.rl_control import EngineStateError
 from jengine.engine.request import InvalidRequest
 from jengine.server.errors import error_response
 from jengine.server.http_utils import JSONResponse
