@@ -37,6 +37,8 @@
 #                  the same checkpoint (device bytes_in_use across release/resume, bits after),
 #                  and scripts/gpu_weight_update.py (in-process from CUDA tensors via DLPack, and
 #                  from disk: the updated engine == a fresh engine on the new weights, bitwise)
+#   rl_loop_only   rl_loop_prod without the memory and weight-update checks
+#                  (rl_loop_prod serves over HTTP: carry the server's wheels in .whl too)
 #   harness_prod_<case>  jengine invariance on that case's production-width checkpoint (run its
 #                  accept_<case> step first in the same call: it builds the checkpoint)
 set -u
@@ -86,9 +88,10 @@ for s in "$@"; do
     acceptance) step acceptance 1500 python3 scripts/gpu_acceptance.py --out "$out/acceptance" ;;
     goldens_record) step goldens_record 560 python3 scripts/goldens.py record --sections tiny families production --device cuda --out "$out/h200.json" ;;
     goldens_check) step goldens_check 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
-    rl_loop_prod)
+    rl_loop_prod|rl_loop_only)
       step rl_checkpoint 90 python3 -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; from gpu_acceptance import CASES, build_model; arch, dims = CASES['llama']; build_model(Path('/tmp/rl_llama'), arch, dims, seed=3)"
       step rl_loop_prod 260 python3 examples/rl_loop.py --model /tmp/rl_llama --device cuda --steps 3 --prompts 4 --group 4 --prompt-len 64 --max-new-tokens 32 --max-request-bytes 4294967296
+      [ "$s" = rl_loop_only ] && continue
       step memory_release 90 python3 scripts/memory_release_check.py --model-path /tmp/rl_llama
       step weight_update 150 python3 scripts/gpu_weight_update.py --w0 /tmp/rl_llama --work /tmp/wu ;;
     harness_prod_*) step "$s" 300 python3 -m jengine.cli invariance --model "/tmp/acceptance/${s#harness_prod_}" --numerics rl-bitwise --max-new-tokens 8 ;;
