@@ -1,2 +1,3 @@
 """Meshes (mesh.py), the sharding-rules table (rules.py) and the collectives with their route
-(collectives.py). The engine is single-device today; see docs/sharding.md for what is in use."""
+(collectives.py), and the tensor-parallel call sites a model's forward uses (tensor_parallel.py).
+See docs/sharding.md, "Status", for what the engine uses."""

@@ -4,7 +4,7 @@ A weight (its ParamSpec) or activation names its dimensions logically ("embed", 
 ShardingRules says which mesh axis, if any, splits each of them; `logical_to_spec` turns the
 names into a PartitionSpec. Changing a layout is changing one column of RULES_TABLE.
 
-Only the table is in use so far: the engine is single-device and places nothing with it yet.
+The model runner's tensor-parallel path places parameters and the KV pool with it (param_placement).
 """
 
 from __future__ import annotations
@@ -111,3 +111,14 @@ def check_divisible(name: str, shape: Sequence[int], logical_axes: Sequence[str 
             raise ValueError(
                 f"{name}: dim {dim} ({logical_axes[dim]}) has size {extent}, not a multiple of "
                 f"mesh axis {axis!r} of size {sizes[axis]} ({rules.layout} layout)")
+
+
+def param_placement(mesh: Mesh, rules: ShardingRules):
+    """spec -> its NamedSharding on `mesh`: a ParamSpec (jengine/models/layers/param.py) is placed
+    by its declared logical axes through `rules`, after its shape is checked to divide."""
+
+    def place(spec) -> NamedSharding:
+        check_divisible(spec.checkpoint or "parameter", spec.shape, spec.axes, rules, mesh)
+        return named_sharding(mesh, spec.axes, rules)
+
+    return place

@@ -16,9 +16,13 @@ from jengine.models.kv_cache import KVCacheSpec
 
 
 class KVPool:
-    def __init__(self, spec: KVCacheSpec, *, num_pages: int, page_size: int, dtype):
+    def __init__(self, spec: KVCacheSpec, *, num_pages: int, page_size: int, dtype,
+                 sharding=None):
+        """sharding: every pool array's placement (tensor parallelism: split on kv_heads);
+        None = the default device."""
         self.spec, self.num_pages, self.page_size, self.dtype = spec, num_pages, page_size, dtype
-        self.arrays = spec.allocate(num_pages, page_size, dtype)
+        self.sharding = sharding
+        self.arrays = self.allocate(num_pages)
         self._copy = jax.jit(_copy, donate_argnums=(0,))
         self._write = jax.jit(_write, donate_argnums=(0,))
 
@@ -37,7 +41,14 @@ class KVPool:
     def resume(self) -> None:
         """A fresh zeroed pool, the same shapes and placement: the step programs are reused."""
         if self.arrays is None:
-            self.arrays = self.spec.allocate(self.num_pages, self.page_size, self.dtype)
+            self.arrays = self.allocate(self.num_pages)
+
+    def allocate(self, num_pages: int):
+        """Zeroed arrays of `num_pages` pages in this pool's layout and placement."""
+        arrays = self.spec.allocate(num_pages, self.page_size, self.dtype)
+        if self.sharding is None:
+            return arrays
+        return jax.tree.map(lambda a: jax.device_put(a, self.sharding), arrays)
 
     def copy(self, src: list[int], dst: list[int]) -> None:
         if len(src):

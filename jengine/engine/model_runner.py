@@ -9,6 +9,12 @@ bucket so the number of compiled programs stays small, runs the jitted forward w
 donated (updated in place), and returns the hidden states of the rows the caller asked for.
 Padding rows point at the null page, their K/V writes are dropped, and real rows never read it, so
 padding cannot change a real row's bits.
+
+With tp_size > 1 the runner builds a mesh of that many devices, places every parameter from its
+ParamSpec's logical axes through the tensor_parallel rules (sharding/rules.py), shards the KV pool
+on kv_heads, and runs the whole step -- and the LM head -- under one `jax.shard_map`: the model
+computes on its local shards and talks to other ranks only at the call sites of
+sharding/tensor_parallel.py. With tp_size == 1 none of this is built: the step is today's program.
 """
 
 from __future__ import annotations
@@ -21,15 +27,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from jengine.engine.batch import StepBatch
 from jengine.engine.kv_pool import KVPool
 from jengine.launch import RunnerConfig
-from jengine.models.kv_cache import NULL_PAGE
+from jengine.models.kv_cache import NULL_PAGE, KVPages
 from jengine.models.layers.param import OverlaySource, weight_source
 from jengine.models.registry import get_family
 from pallas_kernels.fixed_order import next_pow2
+from sharding.mesh import make_mesh
+from sharding.rules import check_divisible, layout_for, logical_to_spec, param_placement, rules_for
+from sharding.tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +63,17 @@ class ModelRunner:
                                                 features=cfg.model.required_features,
                                                 head_dim=model_config.head_dim)
         logger.info("kernel plans: %s", self.kernels.describe())
+        self.mesh = self._placement = self._tp = None
+        if cfg.tp_size > 1:
+            self.mesh = make_mesh(tp=cfg.tp_size)
+            self._rules = rules_for(layout_for(cfg.tp_size))
+            self._placement = param_placement(self.mesh, self._rules)
+            self._tp = TensorParallel(cfg.tp_size, cfg.batch_invariant_collectives)
         self._graphdef, state = nnx.split(self._build_model(weights))
         # The jitted programs take the parameters as one flat tuple: jit flattens a tuple of arrays
         # in C++, an nnx.State (hundreds of leaves) through Python callbacks -- host time each step.
         self._params, self._state_def = jax.tree.flatten(state)
-        self._params = tuple(self._params)
+        self._params = self._replicate_unplaced(tuple(self._params))
         self._host_params: tuple | None = None  # while the weights are released (release_weights)
 
         kv = cfg.kv
@@ -69,19 +85,58 @@ class ModelRunner:
         # (K and V), not one [L, ...] array: each layer's scatter then updates its own donated
         # buffer in place. With one stacked array XLA rebuilt (concatenated) the whole pool every
         # step -- seen in the compiled HLO, and ~2x the pool's bytes of traffic per step.
-        self.kv_pool = KVPool(self.family.kv_cache_spec(model_config), num_pages=kv.num_pages,
-                              page_size=kv.page_size, dtype=self.dtype)
+        kv_spec = self.family.kv_cache_spec(model_config)
+        self.kv_pool = KVPool(kv_spec, num_pages=kv.num_pages, page_size=kv.page_size,
+                              dtype=self.dtype, sharding=self._kv_sharding(kv_spec))
         self.max_step_tokens = cfg.max_step_tokens
 
-        self._forward = jax.jit(self._forward_impl, donate_argnums=(1,))
-        self._logits_rows = jax.jit(self._logits_rows_impl)
+        forward, logits_rows = self._forward_impl, self._logits_rows_impl
+        if self._tp is not None:
+            # One program per step over every rank: leaves see local arrays, never XLA's
+            # partitioner. Specs are read off the placed arrays, so placement has one source.
+            # check_vma=False: the leaves' loops (fixed-order GEMM, fori_loop carries) start from
+            # unvarying zeros and would each need a pcast; the outputs declared replicated (hidden
+            # states, logits) are so by construction: row sums and gathers end every rank's path.
+            params = tuple(p.sharding.spec for p in self._params)
+            pool = jax.tree.map(lambda a: a.sharding.spec, self.kv_pool.arrays)
+            rep = PartitionSpec()
+            forward = jax.shard_map(forward, mesh=self.mesh, in_specs=(params, pool) + (rep,) * 4,
+                                    out_specs=(rep, pool), check_vma=False)
+            logits_rows = jax.shard_map(logits_rows, mesh=self.mesh,
+                                        in_specs=(params, rep, rep), out_specs=rep,
+                                        check_vma=False)
+        self._forward = jax.jit(forward, donate_argnums=(1,))
+        self._logits_rows = jax.jit(logits_rows)
+
+    def _kv_sharding(self, kv_spec):
+        """The pool's placement: K/V pages split on kv_heads, like k_proj/v_proj's columns."""
+        if self.mesh is None:
+            return None
+        if not isinstance(kv_spec.layout, KVPages):
+            raise ValueError(f"tp_size={self._tp.size}: the KV pool layout {kv_spec.layout!r} has "
+                             "no tensor-parallel placement (only K/V pages do)")
+        axes = (None, None, "kv_heads", "head_dim")  # [pages, page_size, kv_heads, head_dim]
+        check_divisible("KV pool", (1, 1, *kv_spec.layout.page_shape), axes, self._rules,
+                        self.mesh)
+        return NamedSharding(self.mesh, logical_to_spec(axes, self._rules))
+
+    def _replicate_unplaced(self, params: tuple) -> tuple:
+        """Under TP, state with no ParamSpec (the RoPE tables) goes to every rank whole."""
+        if self.mesh is None:
+            return params
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        return tuple(p if isinstance(p.sharding, NamedSharding) and p.sharding.mesh == self.mesh
+                     else jax.device_put(p, replicated) for p in params)
 
     def _build_model(self, weights):
         o = self.options
-        return self.family.build(self.model_config, weight_source(weights), dtype=self.dtype,
-                                 kernels=self.kernels, layer_boundary_norm=o.layer_boundary_norm,
+        tp = {} if self._tp is None else {"tensor_parallel": self._tp}
+        return self.family.build(self.model_config,
+                                 weight_source(weights, placement=self._placement),
+                                 dtype=self.dtype, kernels=self.kernels,
+                                 layer_boundary_norm=o.layer_boundary_norm,
                                  rope_frequency_device=o.rope_frequency_device,
-                                 rope_ramp_device=o.rope_ramp_device)
+                                 rope_ramp_device=o.rope_ramp_device, **tp)
 
     def param_specs(self) -> dict:
         """Every parameter's ParamSpec (path -> spec) of this runner's model."""
@@ -110,7 +165,7 @@ class ModelRunner:
             named, specs = model.named_parameters(), self.param_specs()
             weights = OverlaySource(weights, {specs[p]: named[p] for p in specs})
         _, state = nnx.split(self._build_model(weights))
-        return tuple(jax.tree.leaves(state))
+        return self._replicate_unplaced(tuple(jax.tree.leaves(state)))
 
     def swap_params(self, params: tuple) -> None:
         """Serve `params` from the next step on. Same shapes and dtypes as the current tuple, so
@@ -233,10 +288,14 @@ class ModelRunner:
         pages = -(-t // self.page_size)
         inputs = (ids, np.arange(t, dtype=np.int32), np.zeros(t, np.int32),
                   np.arange(1, pages + 1, dtype=np.int32)[None])  # ids, positions, req, table
-        kv = self.kv_pool.spec.allocate(pages + 1, self.page_size, self.dtype)
+        kv = self.kv_pool.allocate(pages + 1)
         if instrument is None:
             hidden, _ = self._forward(self._params, kv, *inputs)
             return hidden, None
+
+        if self._tp is not None:
+            raise NotImplementedError(f"forward_sequence(instrument=...) at tp_size={self._tp.size}:"
+                                      " instrumented runs are single-device only so far")
 
         def run(params, kv, *inputs):
             model = self._model(params)

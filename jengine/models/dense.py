@@ -102,8 +102,11 @@ class DenseDecoder(nnx.Module):
 
     def __init__(self, cfg, specs: dict[str, ParamSpec], source, *, dtype, kernels: ModelKernels,
                  layer_boundary_norm: str = "unfused", rope_frequency_device: str = "device",
-                 rope_ramp_device: str = "cpu"):
+                 rope_ramp_device: str = "cpu", tensor_parallel=None):
+        """tensor_parallel: a sharding.tensor_parallel.TensorParallel when the forward runs as
+        one rank's shard inside shard_map (the runner's TP path), else None (one device)."""
         self.cfg = cfg
+        self.tp = tensor_parallel
         self.dtype = jnp.dtype(dtype)
         self.kernels = kernels
         self.unfused_norm = layer_boundary_norm == "unfused"
@@ -151,7 +154,7 @@ class DenseDecoder(nnx.Module):
         sin = self.rope_sin[...][positions]
         eps = cfg.rms_norm_eps
 
-        h = self.embed_tokens(input_ids)
+        h = self.embed_tokens(input_ids, tp=self.tp)
         residual = None
         new_kv = []
         for i, layer in enumerate(self.layers):
@@ -164,7 +167,7 @@ class DenseDecoder(nnx.Module):
                 x, residual = layer.input_layernorm.add(kern, h, residual, eps=eps)
             attn, layer_kv = layer.self_attn(kern, x, kv[i], page=page, slot=slot, cos=cos, sin=sin,
                                              block_tables=block_tables, token_req=token_req,
-                                             positions=positions, dtype=self.dtype)
+                                             positions=positions, dtype=self.dtype, tp=self.tp)
             new_kv.append(layer_kv)
             if self.unfused_norm:
                 h = residual + attn
@@ -172,7 +175,7 @@ class DenseDecoder(nnx.Module):
                 x = layer.post_attention_layernorm(kern, h, eps=eps)
             else:
                 x, residual = layer.post_attention_layernorm.add(kern, attn, residual, eps=eps)
-            h = layer.mlp(kern, x, dtype=self.dtype)
+            h = layer.mlp(kern, x, dtype=self.dtype, tp=self.tp)
         if self.unfused_norm:
             out = self.norm(kern, residual + h, eps=eps)
         else:
@@ -181,7 +184,7 @@ class DenseDecoder(nnx.Module):
 
     def compute_logits(self, hidden):
         """LM head: [n, H] -> [n, V] in the model dtype, widened to f32 (an exact conversion)."""
-        return self.lm_head(self.kernels, hidden, out_dtype=self.dtype)
+        return self.lm_head(self.kernels, hidden, out_dtype=self.dtype, tp=self.tp)
 
 
 def _flatten(tree: dict, prefix: str = ""):

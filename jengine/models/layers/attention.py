@@ -49,17 +49,22 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(specs["k_norm"], source)
 
     def __call__(self, kern, x, kv, *, page, slot, cos, sin, block_tables, token_req, positions,
-                 dtype):
+                 dtype, tp=None):
         """x [T, H]; kv = (k_pages, v_pages). Returns (output [T, H], the updated pages).
 
         Every row's K/V is written (padding rows to an out-of-bounds page, dropped) before any
         row attends. Declared unique, the scatter is a plain in-place write even under
         --xla_gpu_deterministic_ops, which otherwise sorts the indices (measured on the H200:
         1.3 ms of a 14.5 ms decode step at batch 64).
+
+        tp (sharding.tensor_parallel.TensorParallel, inside shard_map): q/k/v are column-parallel,
+        so this rank holds whole heads (its share of them, and the matching KV pages), and o_proj
+        is row-parallel: its output is a cross-rank sum. Head counts are read from the local
+        arrays, so the same code runs a shard and the whole model.
         """
-        t = x.shape[0]
-        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        t, d = x.shape[0], self.head_dim
         q, k, v = linears(kern, x, (self.q_proj, self.k_proj, self.v_proj), out_dtype=dtype)
+        hq, hkv = q.shape[-1] // d, k.shape[-1] // d
         q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
         if self.qk_norm:
             q = self.q_norm(kern, q.reshape(t * hq, d), eps=self.eps).reshape(t, hq, d)
@@ -71,4 +76,5 @@ class Attention(nnx.Module):
         v_pages = v_pages.at[page, slot].set(v.astype(v_pages.dtype), mode="drop", unique_indices=True)
         o = kern.attention(q, (k_pages, v_pages), block_tables, token_req, positions,
                            scale=d ** -0.5)
-        return self.o_proj(kern, o.reshape(t, hq * d), out_dtype=dtype), (k_pages, v_pages)
+        return (self.o_proj(kern, o.reshape(t, hq * d), out_dtype=dtype,
+                            row_sum=None if tp is None else tp.row_sum), (k_pages, v_pages))

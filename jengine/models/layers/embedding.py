@@ -16,5 +16,8 @@ class Embedding(nnx.Module):
     def __init__(self, specs: dict, source):
         self.weight = nnx.Param(source.place(specs["weight"]))
 
-    def __call__(self, input_ids):
-        return self.weight[...][input_ids]
+    def __call__(self, input_ids, tp=None):
+        """tp (inside shard_map): the table is vocab-parallel; the lookup moves rows, adds none."""
+        if tp is None:
+            return self.weight[...][input_ids]
+        return tp.embed(self.weight[...], input_ids)

@@ -21,9 +21,14 @@ class Linear(nnx.Module):
         self.weight = nnx.Param(source.place(specs["weight"]))
         self.bias = nnx.Param(source.place(specs["bias"])) if "bias" in specs else None
 
-    def __call__(self, kern, x, *, out_dtype):
-        return kern.gemm(x, self.weight[...], None if self.bias is None else self.bias[...],
-                         out_dtype=out_dtype)
+    def __call__(self, kern, x, *, out_dtype, row_sum=None):
+        """row_sum: this projection is row-parallel (its input dimension is split over ranks);
+        the local product is a partial, summed across ranks before the bias is added once."""
+        bias = None if self.bias is None else self.bias[...]
+        if row_sum is None:
+            return kern.gemm(x, self.weight[...], bias, out_dtype=out_dtype)
+        y = row_sum(kern.gemm(x, self.weight[...], None, out_dtype=out_dtype))
+        return y if bias is None else y + bias
 
 
 def linears(kern, x, projections: tuple[Linear, ...], *, out_dtype):

@@ -22,6 +22,10 @@ class LMHead(nnx.Module):
     def __init__(self, specs: dict, source):
         self.weight = nnx.Param(source.place(specs["weight"]))
 
-    def __call__(self, kern, hidden, *, out_dtype):
-        """[n, H] -> [n, V] in the model dtype, widened to f32 (an exact conversion)."""
-        return kern.gemm(hidden, self.weight[...], None, out_dtype=out_dtype).astype(jnp.float32)
+    def __call__(self, kern, hidden, *, out_dtype, tp=None):
+        """[n, H] -> [n, V] in the model dtype, widened to f32 (an exact conversion).
+
+        tp (inside shard_map): vocab-parallel; each rank's columns are gathered in vocabulary
+        order, so every rank returns all V logits (a sampler sees the unsharded row)."""
+        logits = kern.gemm(hidden, self.weight[...], None, out_dtype=out_dtype).astype(jnp.float32)
+        return logits if tp is None else tp.gather_vocab(logits)

@@ -20,6 +20,9 @@ class SwiGLU(nnx.Module):
         self.up_proj = Linear(specs["up_proj"], source)
         self.down_proj = Linear(specs["down_proj"], source)
 
-    def __call__(self, kern, x, *, dtype):
+    def __call__(self, kern, x, *, dtype, tp=None):
+        """tp (sharding.tensor_parallel.TensorParallel, inside shard_map): gate/up are
+        column-parallel over "mlp", so down_proj is row-parallel and its output a cross-rank sum."""
         gate, up = linears(kern, x, (self.gate_proj, self.up_proj), out_dtype=dtype)
-        return self.down_proj(kern, kern.silu(gate) * up, out_dtype=dtype)
+        return self.down_proj(kern, kern.silu(gate) * up, out_dtype=dtype,
+                              row_sum=None if tp is None else tp.row_sum)

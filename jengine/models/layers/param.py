@@ -22,7 +22,7 @@ A weight source turns a spec into the model's array, on its placement:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -94,13 +94,15 @@ class MappingReader:
         return value if isinstance(value, jax.Array) else np.asarray(value)
 
 
-class CheckpointSource:
-    """Fills each spec from `reader`, one tensor at a time. `sharding` (None: the default device)
-    is where every parameter is placed; a per-parameter placement from the specs' logical axes is
-    the multi-device issue's."""
+Placement = Callable[[ParamSpec], Any]  # spec -> its jax Sharding (sharding.rules.param_placement)
 
-    def __init__(self, reader: CheckpointReader, *, sharding=None):
-        self.reader, self.sharding = reader, sharding
+
+class CheckpointSource:
+    """Fills each spec from `reader`, one tensor at a time. `placement` (None: the default device)
+    gives each parameter's sharding from its spec (its logical axes under the launch's rules)."""
+
+    def __init__(self, reader: CheckpointReader, *, placement: Placement | None = None):
+        self.reader, self.placement = reader, placement
 
     def place(self, spec: ParamSpec):
         import jax
@@ -117,7 +119,8 @@ class CheckpointSource:
             raise ValueError(f"checkpoint tensor {spec.checkpoint!r} has shape {tuple(stored)} "
                              + ("(first rows kept) " if spec.rows is not None else "")
                              + f"but the model expects {spec.stored_shape}")
-        return jax.device_put(arr, self.sharding).astype(spec.dtype)
+        sharding = None if self.placement is None else self.placement(spec)
+        return jax.device_put(arr, sharding).astype(spec.dtype)
 
 
 class RandomSource:
@@ -142,22 +145,38 @@ class OverlaySource:
     its array in `current` (spec -> the array the model holds now). Two specs may share a
     checkpoint tensor (a tied head): both are refilled when it is updated."""
 
-    def __init__(self, updates: CheckpointReader, current: Mapping[ParamSpec, Any]):
+    def __init__(self, updates: CheckpointReader, current: Mapping[ParamSpec, Any], *,
+                 placement: Placement | None = None):
         self.names = frozenset(updates.names())
-        self._read = CheckpointSource(updates)
+        self._read = CheckpointSource(updates, placement=placement)
         self._current = current
 
     def place(self, spec: ParamSpec):
         return self._read.place(spec) if spec.checkpoint in self.names else self._current[spec]
 
 
-def weight_source(weights) -> WeightSource:
-    """A weight source from what a caller holds: a source, a reader, or a mapping name -> array."""
+class PlacedSource:
+    """Another source's values (RandomSource: drawn as on one device, so the same numbers at every
+    mesh size), each moved to its placement."""
+
+    def __init__(self, source: WeightSource, placement: Placement):
+        self.source, self.placement = source, placement
+
+    def place(self, spec: ParamSpec):
+        import jax
+
+        return jax.device_put(self.source.place(spec), self.placement(spec))
+
+
+def weight_source(weights, *, placement: Placement | None = None) -> WeightSource:
+    """A weight source from what a caller holds: a source, a reader, or a mapping name -> array;
+    with `placement`, every parameter it gives is on its sharding."""
     if hasattr(weights, "place"):
-        return weights
+        # Moving an array already on its sharding is free, so any source may be wrapped.
+        return weights if placement is None else PlacedSource(weights, placement)
     if hasattr(weights, "read"):
-        return CheckpointSource(weights)
+        return CheckpointSource(weights, placement=placement)
     if isinstance(weights, Mapping):
-        return CheckpointSource(MappingReader(weights))
+        return CheckpointSource(MappingReader(weights), placement=placement)
     raise TypeError(f"weights must be a weight source, a checkpoint reader or a mapping of tensor "
                     f"name -> array, got {type(weights).__name__}")

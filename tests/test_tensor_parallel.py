@@ -1,0 +1,80 @@
+"""The tensor-parallel runner (TP2 on fake CPU devices): placement from the rules table, the step
+under one shard_map, row-parallel sums routed by call site. tests/tp_probe.py measures in a
+subprocess with 8 devices (see tests/test_sharding.py for why); the claims are asserted here."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def probe():
+    env = dict(os.environ)
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "tp_probe.py")], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_parameters_and_kv_pool_are_placed_by_the_rules(probe):
+    assert probe["devices"] == 8
+    for name in ("auto", "rl-bitwise"):
+        run = probe[name]
+        assert run["mesh"] == {"data": 1, "expert": 1, "tensor": 2}
+        specs = run["param_specs"]
+        for column in ("q_proj", "k_proj", "v_proj"):
+            assert specs[f"layers.0.self_attn.{column}.weight"] == "P(None, 'tensor')"
+        for column in ("gate_proj", "up_proj"):
+            assert specs[f"layers.0.mlp.{column}.weight"] == "P(None, 'tensor')"
+        assert specs["layers.0.self_attn.o_proj.weight"] == "P('tensor', None)"  # row parallel
+        assert specs["layers.0.mlp.down_proj.weight"] == "P('tensor', None)"
+        assert specs["embed_tokens.weight"] == "P('tensor', None)"  # vocab parallel
+        assert specs["lm_head.weight"] == "P(None, 'tensor')"
+        assert specs["layers.0.input_layernorm.weight"] == "P(None,)"
+        assert run["kv_pool_spec"] == "P(None, None, 'tensor', None)"
+        assert run["kv_pool_local_shape"][2] == 1  # 2 KV heads, one per rank
+
+
+def test_row_sums_are_routed_by_the_launch_switch(probe):
+    assert (probe["auto"]["bic"], probe["auto"]["row_sum_path"]) == (False, "native")
+    assert (probe["rl-bitwise"]["bic"], probe["rl-bitwise"]["row_sum_path"]) == (True,
+                                                                                 "ordered_fold")
+
+
+@pytest.mark.parametrize("name, tolerance", [("auto", 0.1), ("auto-f32", 1e-4),
+                                             ("rl-bitwise", 0.1)])
+def test_tp2_is_close_to_tp1(probe, name, tolerance):
+    """Not bitwise (the row-parallel split changes every o_proj/down_proj sum): the teacher-forced
+    logprobs are within the dtype's rounding (bf16: 0.1; f32: 1e-4). Greedy ids are asserted
+    equal in f32 only: in bf16 this random model has near-ties a rounding flips (seen once)."""
+    run = probe[name]
+    assert run["max_abs_logprob_diff_tp2_vs_tp1"] < tolerance
+    if name == "auto-f32":
+        assert run["greedy_ids_equal_tp2_vs_tp1"]
+    # Recorded, not promised: the split does change bits (measured: most logits differ).
+    assert run["logits_differing_tp2_vs_tp1"] > 0
+
+
+def test_rl_bitwise_tp2_is_run_and_batch_invariant(probe):
+    """At TP2 under rl-bitwise: the same prompt gives the same logit bits on a second run, and
+    alone (16-row bucket) as packed after another request (32-row bucket)."""
+    run = probe["rl-bitwise"]
+    assert run["logits_elements"] > 0
+    assert run["run_differing_tp2"] == 0
+    assert run["batch_differing_tp2"] == 0
+
+
+def test_tp_larger_than_kv_heads_is_refused(probe):
+    """KV-head replication (tp > kv_heads) is not implemented: refused, naming the pool."""
+    assert re.search(r"KV pool: dim 2 \(kv_heads\) has size 2, not a multiple of mesh axis "
+                     r"'tensor' of size 4", probe["tp4_refusal"])
