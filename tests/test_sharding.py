@@ -5,14 +5,8 @@ process and this process started jax with one CPU device (tests/conftest.py), so
 by tests/sharding_probe.py in ONE subprocess with 8 fake devices, and asserted on here.
 """
 
-import json
-import os
-import re
-import subprocess
-import sys
 import types
 import warnings
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -23,23 +17,14 @@ from sharding.collectives import OP_KINDS, ordered_all_reduce, ordered_reduce_sc
 from sharding.mesh import MESH_AXES, MeshShape, make_mesh, mesh_shape, use_mesh
 from sharding.rules import (DENSE_ACTIVATION_AXES, LAYOUTS, LOGICAL_AXES, RULES, RULES_TABLE,
                             ShardingRules, check_divisible, layout_for, logical_to_spec, rules_for)
-
-ROOT = Path(__file__).resolve().parents[1]
-
+from tests.fake_devices import run_probe
 
 # -- the 8-device measurements (one subprocess) -------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def probe():
-    env = dict(os.environ)
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "sharding_probe.py")], env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_probe("sharding_probe.py")
 
 
 def test_probe_ran_on_an_8_device_mesh(probe):

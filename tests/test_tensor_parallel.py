@@ -2,28 +2,15 @@
 under one shard_map, row-parallel sums routed by call site. tests/tp_probe.py measures in a
 subprocess with 8 devices (see tests/test_sharding.py for why); the claims are asserted here."""
 
-import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
+from tests.fake_devices import run_probe
 
 @pytest.fixture(scope="module")
 def probe():
-    env = dict(os.environ)
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "tp_probe.py")], env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_probe("tp_probe.py")
 
 
 def test_parameters_and_kv_pool_are_placed_by_the_rules(probe):
