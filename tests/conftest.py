@@ -19,3 +19,17 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_ROOT / ".cache" / "jax")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 os.environ.setdefault("JENGINE_CACHE_DIR", str(_ROOT / ".cache" / "jengine"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+import pytest  # noqa: E402  (after the environment above, like everything else)
+
+
+@pytest.fixture(scope="session")
+def ckpts(tmp_path_factory):
+    """Two tiny random Qwen3 checkpoints, W0 and W1 (seeds 0 and 1), for the weight-update tests
+    (tests/test_weight_update.py, tests/test_server_rl_live.py), which only read them."""
+    from interop.testing import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {w: make_tiny_hf_model(root / w, "Qwen3ForCausalLM", seed=i)
+            for i, w in enumerate(("w0", "w1"))}

@@ -9,18 +9,10 @@ import base64
 import httpx
 import pytest
 
-from interop.testing import make_tiny_hf_model
 from jengine.server.testing import ServerProcess
 
 GEN = {"input_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9], "return_logprob": True,
        "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rl-live")
-    return {w: make_tiny_hf_model(root / w, "Qwen3ForCausalLM", seed=i)
-            for i, w in enumerate(("w0", "w1"))}
 
 
 @pytest.fixture(scope="module")

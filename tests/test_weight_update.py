@@ -49,13 +49,6 @@ def compiled(eng) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("weights")
-    return {w: make_tiny_hf_model(root / w, "Qwen3ForCausalLM", seed=i)
-            for i, w in enumerate(("w0", "w1"))}
-
-
-@pytest.fixture(scope="module")
 def fresh(ckpts):
     """What a fresh engine started from each checkpoint serves."""
     out = {}
