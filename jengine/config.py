@@ -73,7 +73,7 @@ class LaunchConfig:
     deterministic_ops: bool | None = _opt(None, "XLA deterministic ops flags", flag=True)
     quantization: str | None = _opt(None, "checkpoint quantization (none supported under bitwise)")
 
-    # -- parallelism (single device for now: anything but 1 is refused; see sharding/) ----------
+    # -- parallelism (docs/parallelism.md; sizes other than tp_size must be 1 for now) ----------
     tp_size: int = _opt(1, "tensor parallel size")
     dp_size: int = _opt(1, "data parallel size (attention DP)")
     ep_size: int = _opt(1, "expert parallel size (MoE families)")
@@ -131,9 +131,9 @@ class LaunchRefusal(ValueError):
     silently run without it (numerics.NumericsRefusal is the envelopes' kind)."""
 
 
-# Until the multi-device issue lands every parallel size is 1; a larger one would be accepted
-# and silently served by one device.
-PARALLEL_SIZES = ("tp_size", "dp_size", "ep_size", "moe_tp_size")
+# Parallel sizes not implemented yet: a larger one would be accepted and silently served without it.
+# (--tp-size is served: jengine/engine/model_runner.py, docs/parallelism.md.)
+PARALLEL_SIZES = ("dp_size", "ep_size", "moe_tp_size")
 
 
 def refuse_inert_options(cfg: LaunchConfig) -> None:
@@ -141,8 +141,8 @@ def refuse_inert_options(cfg: LaunchConfig) -> None:
     for name in PARALLEL_SIZES:
         value = getattr(cfg, name)
         if value != 1:
-            raise LaunchRefusal(f"--{name.replace('_', '-')} {value}: multi-device execution is not "
-                                "implemented yet; jengine runs on one device (size 1)")
+            raise LaunchRefusal(f"--{name.replace('_', '-')} {value}: not implemented yet (only "
+                                "--tp-size may be larger than 1; docs/parallelism.md)")
     if cfg.quantization not in (None, "", "none"):
         raise LaunchRefusal(f"--quantization {cfg.quantization}: jengine has no quantized "
                             "execution; the weights run in --dtype")

@@ -64,10 +64,9 @@ class RunnerConfig:
     model: ModelOptions
     kv: KVPoolConfig
     max_step_tokens: int           # the largest token bucket a step can need
-    # The "tensor" mesh axis. config.py still refuses --tp-size > 1 at launch (docs/sharding.md,
-    # "Status"); tests build a RunnerConfig with tp_size > 1 directly, on fake CPU devices.
-    tp_size: int = 1
+    tp_size: int = 1                           # the "tensor" mesh axis
     batch_invariant_collectives: bool = False  # the row-parallel sums' route (sharding.collectives)
+    tp_batch_invariant: str = "off"            # the reduction sites' layout (sharding/rules.py)
 
 
 @dataclass(frozen=True)
@@ -180,7 +179,8 @@ def plan_launch(resolved: ResolvedLaunch, model_config: Any) -> LaunchPlan:
         runner=RunnerConfig(model=model, kv=kv,
                             max_step_tokens=launch.max_prefill_tokens + launch.max_running_requests,
                             tp_size=launch.tp_size,
-                            batch_invariant_collectives=bool(launch.batch_invariant_collectives)),
+                            batch_invariant_collectives=bool(launch.batch_invariant_collectives),
+                            tp_batch_invariant=launch.tp_batch_invariant),
         scheduler=scheduler,
         sampler=SamplerOptions(logprob_order=launch.logprob_order, hardware=resolved.hardware,
                                required_features=frozenset(resolved.required_features)),

@@ -327,10 +327,18 @@ def resolve_launch(cfg: LaunchConfig, *, hardware: str | None = None,
         required_features=frozenset({"batch_invariant"}) if bitwise else frozenset(),
         hardware=hardware, xla_flags=flags, environment=environment,
         matmul_precision="highest" if precise else None,
-        # Launch warnings (--tp-size > 1 without --tp-batch-invariant attn under a bitwise
-        # envelope, spec "Parallelism") come back with multi-device execution; today TP is refused.
-        warnings=(),
+        warnings=_launch_warnings(config, bitwise),
         given=frozenset(n for n in SWITCHES if getattr(cfg, n) is not None))
+
+
+def _launch_warnings(config: LaunchConfig, bitwise: bool) -> tuple[str, ...]:
+    # Spec, "Parallel layouts and the envelope": the layout is the deployment's choice, never
+    # folded into the envelope; a bitwise launch is told what it does and does not promise.
+    if bitwise and config.tp_size > 1 and config.tp_batch_invariant == "off":
+        return (f"--tp-size {config.tp_size} without --tp-batch-invariant: o_proj and down_proj "
+                "are row-parallel (a rank-ordered fold), so outputs are run- and batch-invariant "
+                "at this TP size only; --tp-batch-invariant all gives the TP1 bits at any TP size",)
+    return ()
 
 
 # -- model construction -----------------------------------------------------------------------------

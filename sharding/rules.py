@@ -18,18 +18,29 @@ from sharding.mesh import DATA_AXIS, TENSOR_AXIS
 
 MeshAxis = str | None  # a mesh axis name, or None = not split (every rank holds all of it)
 
-LAYOUTS = ("replicated", "tensor_parallel")
+# --tp-batch-invariant picks the tensor-parallel layout; each is one column of the table below.
+LAYOUTS = ("replicated", "tensor_parallel", "tensor_parallel_attn", "tensor_parallel_all")
+TP_BATCH_INVARIANT_LAYOUTS = {"off": "tensor_parallel", "attn": "tensor_parallel_attn",
+                              "all": "tensor_parallel_all"}
 
+T = TENSOR_AXIS
 # fmt: off
-RULES_TABLE: tuple[tuple[str, MeshAxis, MeshAxis], ...] = (
-    # logical axis   replicated   tensor_parallel   why
-    ("tokens",       DATA_AXIS,   DATA_AXIS),     # attention DP: a data rank serves its own rows
-    ("vocab",        None,        TENSOR_AXIS),   # vocab-parallel embedding and LM head
-    ("embed",        None,        None),          # hidden rows stay whole on every rank
-    ("heads",        None,        TENSOR_AXIS),   # query heads (and o_proj's input)
-    ("kv_heads",     None,        TENSOR_AXIS),   # needs kv_heads % tp == 0 (no KV replication)
-    ("head_dim",     None,        None),          # a head is never split
-    ("mlp",          None,        TENSOR_AXIS),   # gate/up columns, down_proj rows
+RULES_TABLE: tuple[tuple[str, MeshAxis, MeshAxis, MeshAxis, MeshAxis], ...] = (
+    # logical axis  replicated  tp (off)   tp attn    tp all      why
+    ("tokens",      DATA_AXIS,  DATA_AXIS, DATA_AXIS, DATA_AXIS), # attention DP: own rows
+    ("vocab",       None,       T,         T,         T),         # vocab-parallel embed, LM head
+    ("embed",       None,       None,      None,      None),      # hidden rows stay whole
+    ("heads",       None,       T,         T,         T),         # q heads
+    ("kv_heads",    None,       T,         T,         T),         # replicated when tp > kv_heads
+    ("head_dim",    None,       None,      None,      None),      # a head is never split
+    ("mlp",         None,       T,         T,         T),         # gate/up columns
+    # The two reduction sites. Row-parallel (input split): the output is a cross-rank sum.
+    # Column-parallel on hidden (output split), fed by an all-gather of the input: every output
+    # element is one full-K GEMM -- the TP1 value, whatever the width (spec: --tp-batch-invariant).
+    ("o_heads",     None,       T,         None,      None),      # o_proj's input (heads)
+    ("o_embed",     None,       None,      T,         T),         # o_proj's output (hidden)
+    ("down_mlp",    None,       T,         T,         None),      # down_proj's input (mlp)
+    ("down_embed",  None,       None,      None,      T),         # down_proj's output (hidden)
 )
 # fmt: on
 
@@ -46,6 +57,20 @@ class ShardingRules:
     kv_heads: MeshAxis
     head_dim: MeshAxis
     mlp: MeshAxis
+    o_heads: MeshAxis
+    o_embed: MeshAxis
+    down_mlp: MeshAxis
+    down_embed: MeshAxis
+
+    def column_parallel(self, site: str) -> bool:
+        """Whether reduction site "o" (o_proj) or "down" (down_proj) is column-parallel on hidden
+        under this layout (else, when split at all, row-parallel: a cross-rank sum)."""
+        return self.mesh_axis(f"{site}_embed") is not None
+
+    def replicate_kv_heads(self) -> "ShardingRules":
+        """These rules with KV heads whole on every rank (tp > kv_heads: each rank then computes
+        and caches the one KV head its query heads read; jengine/models/layers/attention.py)."""
+        return dataclasses.replace(self, kv_heads=None)
 
     def mesh_axis(self, logical: str) -> MeshAxis:
         if logical not in LOGICAL_AXES:
@@ -77,11 +102,14 @@ def rules_for(layout: str) -> ShardingRules:
     return RULES[layout]
 
 
-def layout_for(tp_size: int) -> str:
-    """The layout a launch's --tp-size implies."""
+def layout_for(tp_size: int, tp_batch_invariant: str = "off") -> str:
+    """The layout a launch's --tp-size and --tp-batch-invariant imply."""
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_size={tp_size!r} must be a positive int")
-    return "tensor_parallel" if tp_size > 1 else "replicated"
+    if tp_batch_invariant not in TP_BATCH_INVARIANT_LAYOUTS:
+        raise ValueError(f"tp_batch_invariant={tp_batch_invariant!r} is not one of "
+                         f"{list(TP_BATCH_INVARIANT_LAYOUTS)}")
+    return TP_BATCH_INVARIANT_LAYOUTS[tp_batch_invariant] if tp_size > 1 else "replicated"
 
 
 def logical_to_spec(logical_axes: Sequence[str | None], rules: ShardingRules) -> PartitionSpec:

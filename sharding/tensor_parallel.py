@@ -5,13 +5,20 @@ the mesh's "tensor" axis, so every layer computes on its local arrays and only t
 talk to other ranks:
 
     row-parallel sum   o_proj, down_proj   route("all_reduce", sum): the rank-ordered fp32 fold
-                                           under --batch-invariant-collectives, else lax.psum
+                       (--tp-batch-invariant   under --batch-invariant-collectives, else lax.psum
+                        off)
+    column-parallel    o_proj (attn, all)  all-gather of the input's features, one full-K GEMM
+    on hidden          down_proj (all)     for this rank's hidden columns, all-gather of them:
+                                           no arithmetic across ranks, so the TP1 bits
     embedding lookup   vocab-parallel      each rank looks up its own rows, an all-gather moves
                                            them, the owner's row is selected: no arithmetic
     LM head            vocab-parallel      local logits columns, all-gathered along vocab
 
 A `TensorParallel` is a frozen value held by the model (like its kernel plans): the route of each
-call site is decided once, from the launch switch, never from an array's row count.
+call site is decided once, from the launch switches, never from an array's row count.
+
+KV-head replication (tp > kv_heads): k_proj/v_proj are whole on every rank and each rank computes
+and caches only the KV head its query heads read (`kv_head_replicas` ranks share one).
 """
 
 from __future__ import annotations
@@ -29,7 +36,12 @@ from sharding.mesh import TENSOR_AXIS
 class TensorParallel:
     size: int
     batch_invariant_collectives: bool
+    column_sites: frozenset[str] = frozenset()  # of "o", "down": column-parallel on hidden
+    kv_head_replicas: int = 1                   # ranks sharing one KV head (tp > kv_heads)
     axis: str = TENSOR_AXIS
+
+    def column_parallel(self, site: str) -> bool:
+        return site in self.column_sites
 
     @property
     def row_sum_route(self) -> CollectiveRoute:
@@ -39,6 +51,15 @@ class TensorParallel:
     def row_sum(self, partial):
         """The full output of a row-parallel projection from this rank's partial product."""
         return self.row_sum_route.fn(partial, self.axis)
+
+    def gather_features(self, local):
+        """[T, F_local] of this rank -> [T, F]: the ranks' feature slices in rank order (a head-major
+        projection's heads, an MLP's columns, a column-parallel GEMM's outputs). Moves bytes only."""
+        return lax.all_gather(local, self.axis, axis=local.ndim - 1, tiled=True, to="invarying")
+
+    def kv_head_index(self):
+        """The one KV head this rank computes and caches under KV-head replication."""
+        return lax.axis_index(self.axis) // self.kv_head_replicas
 
     def embed(self, local_table, ids):
         """Rows `ids` [T] of the vocab-parallel table (this rank holds rows
@@ -53,3 +74,18 @@ class TensorParallel:
         """[n, V_local] columns of this rank -> [n, V], vocabulary order (rank-major)."""
         return lax.all_gather(local_logits, self.axis, axis=local_logits.ndim - 1, tiled=True,
                               to="invarying")
+
+
+def kv_head_replicas(num_heads: int, kv_heads: int, tp: int) -> int:
+    """How many ranks share one KV head: 1 when tp divides kv_heads (each rank owns whole heads),
+    tp // kv_heads when kv_heads divides tp (KV-head replication); any other pair is refused, as
+    is a tp that does not divide the query heads (a rank holds whole heads)."""
+    if num_heads % tp:
+        raise ValueError(f"tp_size={tp} does not divide the model's {num_heads} attention heads "
+                         "(every rank holds whole heads)")
+    if kv_heads % tp == 0:
+        return 1
+    if tp % kv_heads == 0:
+        return tp // kv_heads
+    raise ValueError(f"tp_size={tp} and {kv_heads} KV heads: one must divide the other (whole KV "
+                     "heads per rank, or whole ranks per KV head)")

@@ -70,7 +70,16 @@ def test_auto_tp2_is_not_batch_invariant(probe):
     assert run["batch_differing_tp2"] > 0
 
 
-def test_tp_larger_than_kv_heads_is_refused(probe):
-    """KV-head replication (tp > kv_heads) is not implemented: refused, naming the pool."""
-    assert re.search(r"KV pool: dim 2 \(kv_heads\) has size 2, not a multiple of mesh axis "
-                     r"'tensor' of size 4", probe["tp4_refusal"])
+def test_tp_larger_than_kv_heads_replicates_them(probe):
+    """tp=4 over 2 KV heads: k/v_proj whole on every rank, the pool one slot per rank (each caches
+    the head its query heads read), close to TP1 (row-parallel sums: not bitwise, see above)."""
+    tp4 = probe["tp4"]
+    assert tp4["kv_head_replicas"] == 2
+    assert tp4["k_proj_spec"] == "P(None, None)"
+    assert tp4["kv_pool_global_shape"][2] == 4 and tp4["kv_pool_local_shape"][2] == 1
+    assert tp4["max_abs_logprob_diff_vs_tp1"] < 0.1
+
+
+def test_tp_not_dividing_the_heads_is_refused(probe):
+    assert re.search(r"tp_size=3 does not divide the model's 4 attention heads",
+                     probe["tp3_refusal"])

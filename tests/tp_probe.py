@@ -2,8 +2,10 @@
 
 Run by tests/test_tensor_parallel.py in a subprocess (XLA reads the fake device count once per
 process). The tiny model (4 q heads, 2 KV heads) is run at TP1 and TP2 with teacher-forced prompts:
-every row's logits, from a RunnerConfig built directly with tp_size (the launch still refuses
---tp-size > 1). Every entry is a measurement; the assertions live in the test.
+every row's logits, from a RunnerConfig built directly with tp_size (with the default
+--tp-batch-invariant off: row-parallel o_proj/down_proj). Whole engines, the other layouts and TP8
+are measured by tests/tp_engine_probe.py. Every entry is a measurement; the assertions live in the
+test.
 """
 
 import dataclasses
@@ -99,11 +101,22 @@ def main():
             logits_elements=int(alone2.size),
         )
         out[name] = entry
-    try:  # 2 KV heads do not split 4 ways; KV-head replication is not implemented
-        ModelRunner(tiny.config, tiny.checkpoint, dataclasses.replace(plan.runner, tp_size=4))
-        out["tp4_refusal"] = None
+    # 2 KV heads over 4 ranks: KV-head replication (each rank caches the one head it reads)
+    r4 = ModelRunner(tiny.config, tiny.checkpoint, dataclasses.replace(plan.runner, tp_size=4))
+    out["tp4"] = {
+        "kv_head_replicas": r4.parallelism()["kv_head_replicas"],
+        "k_proj_spec": str(r4._model(r4._params).named_parameters()[
+            "layers.0.self_attn.k_proj.weight"].sharding.spec),
+        "kv_pool_global_shape": list(r4.kv_pool.arrays[0][0].shape),
+        "kv_pool_local_shape": list(r4.kv_pool.arrays[0][0].addressable_shards[0].data.shape),
+        "max_abs_logprob_diff_vs_tp1": float(np.abs(
+            logprobs(logits_of(r4, [PROMPT_A])[0], PROMPT_A) - lp1).max()),
+    }
+    try:  # 3 ranks cannot hold whole query heads of a 4-head model
+        ModelRunner(tiny.config, tiny.checkpoint, dataclasses.replace(plan.runner, tp_size=3))
+        out["tp3_refusal"] = None
     except ValueError as e:
-        out["tp4_refusal"] = str(e)
+        out["tp3_refusal"] = str(e)
     print(json.dumps(out))
 
 

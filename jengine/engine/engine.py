@@ -64,6 +64,8 @@ class Engine(RLControl):
         logging.getLogger("jengine").setLevel(resolved.config.log_level.upper())
         resolved.apply_environment()  # before anything touches a JAX device
         logger.info("%s", resolved.describe())
+        for warning in resolved.warnings:
+            logger.warning("%s", warning)
         logger.debug("resolved launch: %s", json.dumps(resolved.as_dict(), default=str, sort_keys=True))
 
         from jengine.engine.model_runner import ModelRunner
@@ -213,7 +215,11 @@ class Engine(RLControl):
             "page_size": self.kv.page_size,
             "kv_total_tokens": self.kv.capacity_pages * self.kv.page_size,
             "eos_token_ids": sorted(self._eos_ids),
+            "warnings": list(self.resolved.warnings),
         })
+        parallelism = getattr(self.runner, "parallelism", None)
+        if parallelism is not None:
+            info["parallelism"] = {**parallelism(), "invariances": self._invariances()}
         order = getattr(self.sampler, "logprob_order", None)
         if order is not None:
             # How the logprob order folds this vocabulary; a last block short of the width is
@@ -222,6 +228,15 @@ class Engine(RLControl):
 
             info["logprob_vocab_blocks"] = block_layout(order, int(mc.vocab_size))
         return info
+
+    def _invariances(self) -> dict[str, bool]:
+        """What this launch promises (docs/parallelism.md): run and batch invariance under a
+        bitwise envelope at any layout; topology invariance (the TP1 bits at every TP size)
+        needs every reduction site column-parallel: --tp-batch-invariant all, or one device."""
+        bitwise = bool(self.resolved.bitwise)
+        cfg = self.resolved.config
+        topology = bitwise and (cfg.tp_size == 1 or cfg.tp_batch_invariant == "all")
+        return {"run": bitwise, "batch": bitwise, "topology": topology}
 
     def shutdown(self) -> None:
         with self._cv:

@@ -19,6 +19,7 @@ sharding/tensor_parallel.py. With tp_size == 1 none of this is built: the step i
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -39,7 +40,7 @@ from jengine.models.registry import get_family
 from pallas_kernels.fixed_order import next_pow2
 from sharding.mesh import make_mesh
 from sharding.rules import check_divisible, layout_for, logical_to_spec, param_placement, rules_for
-from sharding.tensor_parallel import TensorParallel
+from sharding.tensor_parallel import TensorParallel, kv_head_replicas
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +65,20 @@ class ModelRunner:
                                                 head_dim=model_config.head_dim)
         logger.info("kernel plans: %s", self.kernels.describe())
         self.mesh = self._placement = self._tp = None
+        self._kv_head_replicas = 1
         if cfg.tp_size > 1:
             self.mesh = make_mesh(tp=cfg.tp_size)
-            self._rules = rules_for(layout_for(cfg.tp_size))
+            self._rules = rules_for(layout_for(cfg.tp_size, cfg.tp_batch_invariant))
+            self._kv_head_replicas = kv_head_replicas(model_config.num_attention_heads,
+                                                      model_config.num_key_value_heads,
+                                                      cfg.tp_size)
+            if self._kv_head_replicas > 1:
+                self._rules = self._rules.replicate_kv_heads()
             self._placement = param_placement(self.mesh, self._rules)
-            self._tp = TensorParallel(cfg.tp_size, cfg.batch_invariant_collectives)
+            self._tp = TensorParallel(
+                cfg.tp_size, cfg.batch_invariant_collectives,
+                column_sites=frozenset(s for s in ("o", "down") if self._rules.column_parallel(s)),
+                kv_head_replicas=self._kv_head_replicas)
         self._graphdef, state = nnx.split(self._build_model(weights))
         # The jitted programs take the parameters as one flat tuple: jit flattens a tuple of arrays
         # in C++, an nnx.State (hundreds of leaves) through Python callbacks -- host time each step.
@@ -86,6 +96,10 @@ class ModelRunner:
         # buffer in place. With one stacked array XLA rebuilt (concatenated) the whole pool every
         # step -- seen in the compiled HLO, and ~2x the pool's bytes of traffic per step.
         kv_spec = self.family.kv_cache_spec(model_config)
+        if self._kv_head_replicas > 1:  # one slot per rank: each caches its own head's copy
+            kv_spec = dataclasses.replace(kv_spec, layers=tuple(
+                dataclasses.replace(layer, kv_heads=layer.kv_heads * self._kv_head_replicas)
+                for layer in kv_spec.layers))
         self.kv_pool = KVPool(kv_spec, num_pages=kv.num_pages, page_size=kv.page_size,
                               dtype=self.dtype, sharding=self._kv_sharding(kv_spec))
         self.max_step_tokens = cfg.max_step_tokens
@@ -115,10 +129,12 @@ class ModelRunner:
         if not isinstance(kv_spec.layout, KVPages):
             raise ValueError(f"tp_size={self._tp.size}: the KV pool layout {kv_spec.layout!r} has "
                              "no tensor-parallel placement (only K/V pages do)")
-        axes = (None, None, "kv_heads", "head_dim")  # [pages, page_size, kv_heads, head_dim]
-        check_divisible("KV pool", (1, 1, *kv_spec.layout.page_shape), axes, self._rules,
-                        self.mesh)
-        return NamedSharding(self.mesh, logical_to_spec(axes, self._rules))
+        # [pages, page_size, kv_heads, head_dim]: split on kv_heads, like k_proj/v_proj's columns
+        # -- or, under KV-head replication, one slot per rank (k/v_proj themselves are whole).
+        axes = (None, None, "kv_heads", "head_dim")
+        rules = rules_for(self._rules.layout)
+        check_divisible("KV pool", (1, 1, *kv_spec.layout.page_shape), axes, rules, self.mesh)
+        return NamedSharding(self.mesh, logical_to_spec(axes, rules))
 
     def _replicate_unplaced(self, params: tuple) -> tuple:
         """Under TP, state with no ParamSpec (the RoPE tables) goes to every rank whole."""
@@ -137,6 +153,29 @@ class ModelRunner:
                                  layer_boundary_norm=o.layer_boundary_norm,
                                  rope_frequency_device=o.rope_frequency_device,
                                  rope_ramp_device=o.rope_ramp_device, **tp)
+
+    def parallelism(self) -> dict:
+        """The mesh and how each projection is split (reported by /get_server_info)."""
+        if self._tp is None:
+            return {"mesh": {"data": 1, "expert": 1, "tensor": 1}, "layout": "replicated"}
+        site = {True: "column-parallel on hidden (all-gather of the input, full-K GEMM)",
+                False: "row-parallel (cross-rank sum: " + self._tp.row_sum_route.path + ")"}
+        kv = ("column-parallel (KV heads split)" if self._kv_head_replicas == 1 else
+              f"replicated; each rank computes its one KV head ({self._kv_head_replicas} ranks "
+              "per head)")
+        return {
+            "mesh": {str(k): int(v) for k, v in self.mesh.shape.items()},
+            "layout": self._rules.layout,
+            "kv_head_replicas": self._kv_head_replicas,
+            "projections": {
+                "embed_tokens": "vocab-parallel (row lookup + all-gather)",
+                "q_proj": "column-parallel (heads)", "k_proj": kv, "v_proj": kv,
+                "o_proj": site[self._tp.column_parallel("o")],
+                "gate_proj": "column-parallel (mlp)", "up_proj": "column-parallel (mlp)",
+                "down_proj": site[self._tp.column_parallel("down")],
+                "lm_head": "vocab-parallel (local columns + all-gather of the logits)",
+            },
+        }
 
     def param_specs(self) -> dict:
         """Every parameter's ParamSpec (path -> spec) of this runner's model."""

@@ -9,6 +9,7 @@ lays them out (jengine/models/kv_cache.py: `KVPages`, a (k_pages, v_pages) pair)
 from __future__ import annotations
 
 from flax import nnx
+from jax import lax
 
 from jengine.models.kv_cache import KVPages
 from jengine.models.layers.linear import Linear, linears
@@ -25,7 +26,7 @@ class Attention(nnx.Module):
         specs = {"q_proj": Linear.specs(h, q, ("embed", "heads"), bias=bias, dtype=dtype),
                  "k_proj": Linear.specs(h, kv, ("embed", "kv_heads"), bias=bias, dtype=dtype),
                  "v_proj": Linear.specs(h, kv, ("embed", "kv_heads"), bias=bias, dtype=dtype),
-                 "o_proj": Linear.specs(q, h, ("heads", "embed"), bias=cfg.attention_output_bias,
+                 "o_proj": Linear.specs(q, h, ("o_heads", "o_embed"), bias=cfg.attention_output_bias,
                                         dtype=dtype)}
         if cfg.qk_norm:
             specs["q_norm"] = RMSNorm.specs(d, "head_dim", dtype=dtype)
@@ -58,12 +59,18 @@ class Attention(nnx.Module):
         1.3 ms of a 14.5 ms decode step at batch 64).
 
         tp (sharding.tensor_parallel.TensorParallel, inside shard_map): q/k/v are column-parallel,
-        so this rank holds whole heads (its share of them, and the matching KV pages), and o_proj
-        is row-parallel: its output is a cross-rank sum. Head counts are read from the local
-        arrays, so the same code runs a shard and the whole model.
+        so this rank holds whole heads (its share of them, and the matching KV pages); o_proj is
+        the "o" reduction site (row-parallel, or column-parallel on hidden under
+        --tp-batch-invariant attn/all). Head counts are read from the local arrays, so the same
+        code runs a shard and the whole model. Under KV-head replication k/v_proj are whole here
+        and only this rank's KV head is computed: its columns are sliced from the weights.
         """
         t, d = x.shape[0], self.head_dim
-        q, k, v = linears(kern, x, (self.q_proj, self.k_proj, self.v_proj), out_dtype=dtype)
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if tp is not None and tp.kv_head_replicas > 1:
+            head = tp.kv_head_index()
+            projections = (self.q_proj, *(_head_columns(p, head, d) for p in projections[1:]))
+        q, k, v = linears(kern, x, projections, out_dtype=dtype)
         hq, hkv = q.shape[-1] // d, k.shape[-1] // d
         q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
         if self.qk_norm:
@@ -76,5 +83,19 @@ class Attention(nnx.Module):
         v_pages = v_pages.at[page, slot].set(v.astype(v_pages.dtype), mode="drop", unique_indices=True)
         o = kern.attention(q, (k_pages, v_pages), block_tables, token_req, positions,
                            scale=d ** -0.5)
-        return (self.o_proj(kern, o.reshape(t, hq * d), out_dtype=dtype,
-                            row_sum=None if tp is None else tp.row_sum), (k_pages, v_pages))
+        return (self.o_proj(kern, o.reshape(t, hq * d), out_dtype=dtype, tp=tp, site="o"),
+                (k_pages, v_pages))
+
+
+class _Columns:
+    """A projection's weight (and bias) restricted to some output columns: what `linears` reads."""
+
+    def __init__(self, weight, bias):
+        self.weight, self.bias = weight, bias
+
+
+def _head_columns(proj: Linear, head, d: int) -> _Columns:
+    """Columns [head * d, (head + 1) * d) of a head-major projection (head: a traced index)."""
+    weight = lax.dynamic_slice_in_dim(proj.weight[...], head * d, d, axis=1)
+    bias = None if proj.bias is None else lax.dynamic_slice_in_dim(proj.bias[...], head * d, d)
+    return _Columns(weight, bias)

@@ -21,13 +21,19 @@ class Linear(nnx.Module):
         self.weight = nnx.Param(source.place(specs["weight"]))
         self.bias = nnx.Param(source.place(specs["bias"])) if "bias" in specs else None
 
-    def __call__(self, kern, x, *, out_dtype, row_sum=None):
-        """row_sum: this projection is row-parallel (its input dimension is split over ranks);
-        the local product is a partial, summed across ranks before the bias is added once."""
+    def __call__(self, kern, x, *, out_dtype, tp=None, site: str | None = None):
+        """tp, site: a reduction site ("o", "down") of a tensor-parallel model, inside shard_map.
+        x holds this rank's slice of the input features. Row-parallel: the local product is a
+        partial, summed across ranks before the bias is added once. Column-parallel on hidden:
+        the input is gathered whole and this rank computes its output columns with the full K,
+        so each element is the one-device value."""
         bias = None if self.bias is None else self.bias[...]
-        if row_sum is None:
+        if tp is None:
             return kern.gemm(x, self.weight[...], bias, out_dtype=out_dtype)
-        y = row_sum(kern.gemm(x, self.weight[...], None, out_dtype=out_dtype))
+        if tp.column_parallel(site):
+            y = kern.gemm(tp.gather_features(x), self.weight[...], bias, out_dtype=out_dtype)
+            return tp.gather_features(y)
+        y = tp.row_sum(kern.gemm(x, self.weight[...], None, out_dtype=out_dtype))
         return y if bias is None else y + bias
 
 

@@ -13,7 +13,8 @@ class SwiGLU(nnx.Module):
         h, i = cfg.hidden_size, cfg.intermediate_size
         return {"gate_proj": Linear.specs(h, i, ("embed", "mlp"), bias=False, dtype=dtype),
                 "up_proj": Linear.specs(h, i, ("embed", "mlp"), bias=False, dtype=dtype),
-                "down_proj": Linear.specs(i, h, ("mlp", "embed"), bias=False, dtype=dtype)}
+                "down_proj": Linear.specs(i, h, ("down_mlp", "down_embed"), bias=False,
+                                          dtype=dtype)}
 
     def __init__(self, specs: dict, source):
         self.gate_proj = Linear(specs["gate_proj"], source)
@@ -22,7 +23,7 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, kern, x, *, dtype, tp=None):
         """tp (sharding.tensor_parallel.TensorParallel, inside shard_map): gate/up are
-        column-parallel over "mlp", so down_proj is row-parallel and its output a cross-rank sum."""
+        column-parallel over "mlp"; down_proj is the "down" reduction site (row-parallel, or
+        column-parallel on hidden under --tp-batch-invariant all)."""
         gate, up = linears(kern, x, (self.gate_proj, self.up_proj), out_dtype=dtype)
-        return self.down_proj(kern, kern.silu(gate) * up, out_dtype=dtype,
-                              row_sum=None if tp is None else tp.row_sum)
+        return self.down_proj(kern, kern.silu(gate) * up, out_dtype=dtype, tp=tp, site="down")
