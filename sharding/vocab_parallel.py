@@ -100,7 +100,9 @@ def orderable_key(x: jax.Array) -> jax.Array:
     """int32 keys ordered as the f32 values: -0.0 takes +0.0's key, every NaN one key above +inf.
 
     A non-negative float's bits already order as an int32; a negative one's order is reversed, so
-    its 31 low bits are flipped (it stays negative, below every non-negative key).
+    its 31 low bits are flipped (it stays negative, below every non-negative key). Zero is tested
+    with the platform's ==, as canonical_argmax tests ties, so a subnormal keys as zero where the
+    platform flushes subnormals (XLA's CPU) and as itself where it does not: the same ties either way.
     """
     x = jnp.where(x == 0, jnp.zeros_like(x), x)  # -0.0 -> +0.0: one key for both zeros
     bits = lax.bitcast_convert_type(x, jnp.int32)
