@@ -154,18 +154,18 @@ def kernel_probe() -> dict:
         for shards in SHARDS:
             mesh = make_mesh(tp=shards)
             columns = shards * local_width(shards, width)
-            wide = padded(x, columns)
+            wide = padded(np.concatenate([x, NAN_ROWS]), columns)  # NaN rows: argmax only
 
             def head(local, *targets):
                 kw = dict(vocab_size=VOCAB)
+                rows = local[:ROWS]
                 return (vocab_parallel_argmax(local, TENSOR_AXIS, **kw),
-                        [vocab_parallel_token_logprobs(local, t, order, block_plan, **kw)
+                        [vocab_parallel_token_logprobs(rows, t, order, block_plan, **kw)
                          for t in targets],
-                        vocab_parallel_top_logprobs(local, TOP_K, order, block_plan, **kw))
+                        vocab_parallel_top_logprobs(rows, TOP_K, order, block_plan, **kw))
 
-            got_ids, got_lp, (top_v, top_i) = sharded(head, mesh, wide, *ids.values())
-            nan_ids = sharded(lambda local: vocab_parallel_argmax(local, vocab_size=VOCAB),
-                              mesh, padded(NAN_ROWS, columns))
+            all_ids, got_lp, (top_v, top_i) = sharded(head, mesh, wide, *ids.values())
+            got_ids, nan_ids = all_ids[:ROWS], all_ids[ROWS:]
             entry = {
                 "columns_per_rank": columns // shards,
                 "argmax_ids_differing": int(np.count_nonzero(got_ids != reference_ids)),
@@ -175,7 +175,7 @@ def kernel_probe() -> dict:
                 "top_value_bits_differing": count_bit_differences(ref_top[0], top_v),
                 "top_ids_differing": int(np.count_nonzero(ref_top[1] != top_i)),
             }
-            if shards > 1:
+            if shards > 1 and order == ORDERS[0]:  # the argmax does not depend on the order
                 naive = sharded(lambda local: naive_argmax(local, TENSOR_AXIS), mesh, wide)
                 entry["naive_argmax_rows_differing"] = sorted(
                     name for name, r in case.items() if naive[r] != reference_ids[r])
@@ -191,7 +191,7 @@ def runner_probe() -> dict:
     """The tiny model at TP2 (vocab 32768: 16384 columns per rank): ModelRunner.vocab_parallel_head
     against the Sampler on the gathered logits (logits_at)."""
     from jengine.config import LaunchConfig
-    from jengine.engine.batch import StepBatch
+    from jengine.engine.batch import SamplingRows, StepBatch
     from jengine.engine.model_runner import ModelRunner
     from jengine.engine.sampler import Sampler
     from jengine.launch import plan_launch
@@ -216,7 +216,11 @@ def runner_probe() -> dict:
     rows = np.arange(len(prompt) - 1)
     targets = np.asarray(prompt[1:], np.int32)
     logits = runner.logits_at(hidden, rows)
-    want_ids = np.asarray(sampler._argmax(logits))[: len(rows)]
+    n = len(rows)
+    greedy = SamplingRows(temperature=np.zeros(n, np.float32), top_k=np.full(n, -1, np.int32),
+                          top_p=np.ones(n, np.float32), min_p=np.zeros(n, np.float32),
+                          seed=np.zeros(n, np.uint32), position=np.zeros(n, np.int32))
+    want_ids = sampler.sample(logits, greedy)
     want_lp = sampler.token_logprobs(logits, targets)
     got_ids, got_lp = runner.vocab_parallel_head(hidden, rows, targets, sampler)
     out = {"rows": len(rows), "greedy_ids_differing": int(np.count_nonzero(got_ids != want_ids)),
