@@ -59,7 +59,7 @@ def build_rows(device: str = "cpu", seed: int = 0, elementwise_size: int = 1 << 
     from interop.convert import numpy_to_tensor, tensor_to_numpy
     from interop.twins import hardware_for, plan_twin_table
     from pallas_kernels import gemm
-    from pallas_kernels.logprobs import _finish, _row_logprobs
+    from pallas_kernels.logprobs import _row_logprobs, finish_logprob
     from pallas_kernels.registry import plan
 
     tdev = "cuda" if device == "gpu" else "cpu"
@@ -148,7 +148,7 @@ def build_rows(device: str = "cpu", seed: int = 0, elementwise_size: int = 1 << 
     block_plan = plan("sampling", "block_sumexp", formats={"f32"}, hardware=hardware,
                       features={"batch_invariant"},
                       geometry={"vocab_size": 65536, "block_size": BLOCKWISE_VOCAB_BLOCK})
-    engine = jax.jit(lambda x: _finish(*_row_logprobs(x, "blockwise", block_plan)))(jnp.asarray(logits))
+    engine = jax.jit(lambda x: finish_logprob(*_row_logprobs(x, "blockwise", block_plan)))(jnp.asarray(logits))
     add("log_softmax (blockwise)", logits.shape, "f32", engine, torch.log_softmax(t(logits), -1),
         None, "trainer side: interop.trainer_logprobs")
     add("log_softmax (XLA)", logits.shape, "f32", jax.nn.log_softmax(jnp.asarray(logits), -1),

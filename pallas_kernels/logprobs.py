@@ -158,14 +158,20 @@ def block_layout(order: str, vocab_size: int) -> dict:
             "last_block_completed_with_neg_inf": width - last}
 
 
+def fold_block_partials(partials: jax.Array) -> jax.Array:
+    """S [R] from the block partials [R, blocks] in vocabulary order: the trainer's rank-ordered
+    fold, left to right in fp32. The vocab-parallel head (sharding/vocab_parallel.py) folds the
+    partials its shards gathered with this same function, so S does not depend on the shard count."""
+    total = partials[:, 0]
+    for j in range(1, partials.shape[1]):
+        total = total + partials[:, j]
+    return total
+
+
 def _row_log_sum_exp(shifted: jax.Array, order: str, block_sumexp_plan: KernelPlan) -> jax.Array:
     """log(S) [R, 1] with S the order's sum of exp(shifted): block partials, then a left fold."""
     width = logprob_block_width(order, shifted.shape[-1])
-    partials = block_sumexp_plan(shifted, block_size=width)
-    total = partials[:, 0]
-    for j in range(1, partials.shape[1]):  # the trainer's rank-ordered fold: left to right, fp32
-        total = total + partials[:, j]
-    return jnp.log(total)[:, None]
+    return jnp.log(fold_block_partials(block_sumexp_plan(shifted, block_size=width)))[:, None]
 
 
 def _row_logprobs(logits: jax.Array, order: str, block_sumexp_plan: KernelPlan):
@@ -179,7 +185,7 @@ def _row_logprobs(logits: jax.Array, order: str, block_sumexp_plan: KernelPlan):
     return shifted, log_s, LOGPROB_ORDERS[order][1]
 
 
-def _finish(target_shifted: jax.Array, log_s: jax.Array, negated: bool) -> jax.Array:
+def finish_logprob(target_shifted: jax.Array, log_s: jax.Array, negated: bool) -> jax.Array:
     # Two spellings of one number that differ in the sign of zero: keep them apart, as the spec says.
     return -(log_s - target_shifted) if negated else target_shifted - log_s
 
@@ -190,7 +196,7 @@ def gather_token_logprobs(logits: jax.Array, token_ids: jax.Array, order: str,
     shifted, log_s, negated = _row_logprobs(logits, order, block_sumexp_plan)
     ids = jnp.asarray(token_ids, jnp.int32)[:, None]
     target = jnp.take_along_axis(shifted, ids, axis=-1)
-    return _finish(target, log_s, negated)[:, 0]
+    return finish_logprob(target, log_s, negated)[:, 0]
 
 
 def top_logprobs(logits: jax.Array, k: int, order: str,
@@ -204,7 +210,7 @@ def top_logprobs(logits: jax.Array, k: int, order: str,
     if not 0 <= k <= logits.shape[-1]:
         raise ValueError(f"top_logprobs: k={k} must be in [0, vocab_size={logits.shape[-1]}]")
     shifted, log_s, negated = _row_logprobs(logits, order, block_sumexp_plan)
-    values = _finish(shifted, log_s, negated)
+    values = finish_logprob(shifted, log_s, negated)
     key = jnp.where(values == 0, jnp.zeros_like(values), values)  # one key for both zeros
     _, ids = jax.lax.top_k(key, k)  # documented: equal keys keep the lower index first
     return jnp.take_along_axis(values, ids, axis=-1), ids.astype(jnp.int32)

@@ -41,6 +41,7 @@ from pallas_kernels.fixed_order import next_pow2
 from sharding.mesh import make_mesh
 from sharding.rules import check_divisible, layout_for, logical_to_spec, param_placement, rules_for
 from sharding.tensor_parallel import TensorParallel, kv_head_replicas
+from sharding.vocab_parallel import make_vocab_parallel_head
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ class ModelRunner:
                                         check_vma=False)
         self._forward = jax.jit(forward, donate_argnums=(1,))
         self._logits_rows = jax.jit(logits_rows)
+        self._vocab_parallel_heads = {}  # the Sampler's plans -> vocab_parallel_head's program
 
     def _kv_sharding(self, kv_spec):
         """The pool's placement: K/V pages split on kv_heads, like k_proj/v_proj's columns."""
@@ -300,6 +302,32 @@ class ModelRunner:
         idx = np.zeros(next_pow2(len(rows), MIN_LOGIT_BUCKET), np.int32)
         idx[: len(rows)] = rows
         return self._logits_rows(self._params, hidden_padded, idx)
+
+    # -- the vocab-parallel head (sharding/vocab_parallel.py); the engine's step does not use it yet
+    def vocab_parallel_head(self, hidden_padded: jax.Array, rows, target_ids,
+                            sampler) -> tuple[np.ndarray, np.ndarray]:
+        """(greedy ids int32[n], logprobs of target_ids float32[n]) of ``hidden_padded[rows]``: the
+        bits `sampler` gives on `logits_at` (its canonical argmax and `token_logprobs`), while every
+        rank keeps its own logits columns -- no [n, V] gather. tp_size > 1 only."""
+        if self._tp is None:
+            raise ValueError("vocab_parallel_head needs tp_size > 1; at tp_size=1 the Sampler runs "
+                             "on logits_at")
+        key = tuple(sorted(sampler.describe().items()))
+        if key not in self._vocab_parallel_heads:
+            def local_logits(params, hidden):  # the LM head without tp: this rank's columns
+                model = self._model(params)
+                return model.lm_head(model.kernels, hidden, out_dtype=model.dtype)
+
+            self._vocab_parallel_heads[key] = make_vocab_parallel_head(
+                self.mesh, tuple(p.sharding.spec for p in self._params), local_logits,
+                order=sampler.logprob_order, block_sumexp_plan=sampler.block_sumexp_plan,
+                argmax_plan=sampler.argmax_plan, vocab_size=sampler.vocab_size)
+        n = len(rows)
+        bucket = next_pow2(n, MIN_LOGIT_BUCKET)  # logits_at's buckets
+        idx, ids = np.zeros(bucket, np.int32), np.zeros(bucket, np.int32)
+        idx[:n], ids[:n] = rows, target_ids
+        greedy, logprobs = self._vocab_parallel_heads[key](self._params, hidden_padded, idx, ids)
+        return np.asarray(greedy)[:n], np.asarray(logprobs)[:n]
 
     # -- page images (prefix-cache copy-on-write, retraction) --------------------------------------
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
