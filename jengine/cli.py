@@ -17,6 +17,7 @@ COMMANDS = {
     "align": ("interop.align", "teacher-force a trainer dump and compare logprobs bitwise"),
     "ops-report": ("interop.ops_report", "compare jengine's ops with torch's, bit by bit"),
     "bench": ("jengine.bench", "benchmark decode/prefill on the accelerator"),
+    "convert": ("jengine.convert", "convert a Hugging Face model directory to an Orbax checkpoint"),
 }
 
 

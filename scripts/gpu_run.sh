@@ -39,6 +39,9 @@
 #                  from disk: the updated engine == a fresh engine on the new weights, bitwise)
 #   rl_loop_only   rl_loop_prod without the memory and weight-update checks
 #                  (rl_loop_prod serves over HTTP: carry the server's wheels in .whl too)
+#   orbax_load     scripts/orbax_load_bench.py: load time of the Llama-3-8B-width 2-layer random
+#                  checkpoint from safetensors vs Orbax into the runner's parameters (median of 3),
+#                  and their bits compared (carry orbax-checkpoint and its wheels in .whl too)
 #   harness_prod_<case>  jengine invariance on that case's production-width checkpoint (run its
 #                  accept_<case> step first in the same call: it builds the checkpoint)
 set -u
@@ -94,6 +97,7 @@ for s in "$@"; do
       [ "$s" = rl_loop_only ] && continue
       step memory_release 90 python3 scripts/memory_release_check.py --model-path /tmp/rl_llama
       step weight_update 150 python3 scripts/gpu_weight_update.py --w0 /tmp/rl_llama --work /tmp/wu ;;
+    orbax_load) step orbax_load 300 python3 scripts/orbax_load_bench.py --work /tmp/orbax_load ;;
     harness_prod_*) step "$s" 300 python3 -m jengine.cli invariance --model "/tmp/acceptance/${s#harness_prod_}" --numerics rl-bitwise --max-new-tokens 8 ;;
     *) echo "unknown step $s" | tee -a "$out/summary.md" ;;
   esac

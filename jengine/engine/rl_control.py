@@ -63,8 +63,9 @@ class RLControl:
     def update_weights_from_disk(self, model_path: str, *, abort_all_requests: bool = False,
                                  weight_version: str | None = None, flush_cache: bool = True,
                                  load_format: str | None = None) -> dict[str, Any]:
-        """Load every weight from a safetensors directory of the same model (config.json equal but
-        for special ids; each tensor its launch name, shape and stored dtype). A refusal raises
+        """Load every weight from a model directory (safetensors, or Orbax from `jengine
+        convert`) of the same model (config.json equal but for special ids; each tensor its
+        launch name, shape and stored dtype). A refusal raises
         InvalidRequest naming the reason; the old weights keep serving."""
         _check_update_flags(abort_all_requests, weight_version, flush_cache, load_format)
         with self._update_lock:

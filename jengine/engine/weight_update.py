@@ -9,7 +9,8 @@ checked while the new parameter tuple is built -- in the caller's thread, next t
 
 Tensors arrive three ways, all as a `CheckpointReader` (jengine/models/layers/param.py):
 
-- a safetensors directory (`read_update_checkpoint`), read one tensor at a time;
+- a model directory (`read_update_checkpoint`): safetensors, read one tensor at a time, or the
+  Orbax checkpoint `jengine convert` writes, restored onto the placement (its `weight_source`);
 - torch / numpy / jax arrays in process (`arrays_from_tensors`): a CPU torch tensor becomes a numpy
   view of its memory (zero copy; bf16 viewed as ml_dtypes.bfloat16), a device tensor a jax array
   through DLPack (no host copy);
@@ -33,17 +34,18 @@ _FREE_CONFIG_FIELDS = frozenset({"bos_token_id", "eos_token_ids", "torch_dtype"}
 
 
 def read_update_checkpoint(model_path: Any, current_config: Any):
-    """The safetensors checkpoint in `model_path`, after its config.json was compared with the
-    served model's; its tensors are read later, one at a time."""
+    """The checkpoint in `model_path` (safetensors, or the Orbax checkpoint `jengine convert`
+    writes), after its config.json was compared with the served model's; its tensors are read
+    later (safetensors: one at a time; Orbax: all at once, onto their placement)."""
     from jengine.models.config import ModelConfig
-    from jengine.models.loader import SafetensorsCheckpoint, _read_config, _resolve_directory
+    from jengine.models.loader import _read_config, _resolve_directory, open_weights
 
     if not isinstance(model_path, str) or not model_path:
         raise InvalidRequest("model_path", model_path, "must be a model directory path")
     try:
         directory = _resolve_directory(model_path)
         config = ModelConfig.from_hf_dict(_read_config(directory))
-        checkpoint = SafetensorsCheckpoint(directory)
+        checkpoint = open_weights(directory, config)
     except (OSError, ValueError, KeyError) as exc:
         raise InvalidRequest("model_path", model_path, f"cannot be read: {exc}") from None
     for f in dataclasses.fields(current_config):
@@ -149,6 +151,8 @@ class CheckedReader:
                 raise InvalidRequest(field, missing[0], f"is missing ({len(missing)} tensor(s) "
                                      "of the served model are)", shown=f" tensor {missing[0]!r}")
         self._reader, self._names = reader, names
+        if hasattr(reader, "weight_source"):  # an Orbax checkpoint restores onto the placement
+            self.weight_source = reader.weight_source
 
     def names(self) -> tuple[str, ...]:
         return self._names

@@ -11,7 +11,9 @@ no trust_remote_code):
   (names, shapes, dtypes: what the checks below need); a tensor is read when the model asks for
   it, one at a time, and placed (jengine/models/layers/param.py), so the host never holds the
   whole model. Read with safetensors' numpy backend (no torch needed): arrays keep the stored
-  dtype, bf16 arriving as `ml_dtypes.bfloat16`;
+  dtype, bf16 arriving as `ml_dtypes.bfloat16`. A directory `jengine convert` wrote holds an
+  Orbax checkpoint (orbax/) instead: `OrbaxCheckpoint` (jengine/models/orbax_checkpoint.py),
+  restored onto each parameter's placement;
 - `tokenizer.json` (required), `tokenizer_config.json`, `chat_template.jinja` -> `Tokenizer`.
 """
 
@@ -37,7 +39,7 @@ SINGLE_WEIGHTS = "model.safetensors"
 @dataclass(frozen=True)
 class LoadedModel:
     config: ModelConfig
-    checkpoint: "SafetensorsCheckpoint"  # HF tensor names -> arrays, read one at a time
+    checkpoint: "SafetensorsCheckpoint | OrbaxCheckpoint"  # HF tensor names -> arrays
     tokenizer: Tokenizer
     eos_token_ids: tuple[int, ...]   # == config.eos_token_ids (generation_config.json wins)
     chat_template: str | None
@@ -56,7 +58,7 @@ def load_model(path_or_name: str | None = "tiny", *, progress: bool = True) -> L
         config = dataclasses.replace(config, eos_token_ids=eos)
 
     tokenizer = Tokenizer.from_dir(directory)
-    checkpoint = SafetensorsCheckpoint(directory, progress=progress)
+    checkpoint = open_weights(directory, config, progress=progress)
 
     if not (config_dict.get("torch_dtype") or config_dict.get("dtype")):
         # No dtype in config.json: HF would assume float32; the stored floats are the better guide.
@@ -71,6 +73,15 @@ def load_model(path_or_name: str | None = "tiny", *, progress: bool = True) -> L
     return LoadedModel(config=config, checkpoint=checkpoint, tokenizer=tokenizer,
                        eos_token_ids=config.eos_token_ids, chat_template=tokenizer.chat_template,
                        path=str(directory))
+
+
+def open_weights(directory: Path, config: ModelConfig, *, progress: bool = False):
+    """The directory's weights: its Orbax checkpoint when it has one, else its safetensors."""
+    from jengine.models.orbax_checkpoint import OrbaxCheckpoint, has_orbax_checkpoint
+
+    if has_orbax_checkpoint(directory):
+        return OrbaxCheckpoint(directory, config)
+    return SafetensorsCheckpoint(directory, progress=progress)
 
 
 # safetensors header dtype -> numpy's name for it (floats only: what the dtype guess counts).
@@ -215,13 +226,13 @@ def _weight_files(directory: Path) -> dict[Path, list[str] | None]:
                             f"{WEIGHTS_INDEX}, {SINGLE_WEIGHTS} or *.safetensors){hint}")
 
 
-def _stored_float_dtype(checkpoint: SafetensorsCheckpoint, default: str) -> str:
+def _stored_float_dtype(checkpoint, default: str) -> str:
     floats = Counter(checkpoint.dtype(n) for n in checkpoint.names()
                      if checkpoint.dtype(n) in _FLOAT_DTYPES.values())
     return floats.most_common(1)[0][0] if floats else default
 
 
-def _check_vocab_shapes(config: ModelConfig, checkpoint: SafetensorsCheckpoint,
+def _check_vocab_shapes(config: ModelConfig, checkpoint,
                         directory: Path) -> None:
     """Embedding rows must equal input_vocab_size and head rows vocab_size (the spec's split)."""
     expected = {"model.embed_tokens.weight": (config.input_vocab_size, config.hidden_size, "input_vocab_size"),

@@ -17,6 +17,8 @@ A weight source turns a spec into the model's array, on its placement:
 - `OverlaySource(updates, current)`: a weight update that names only some tensors (a trainer's
   bucket): those are read through a `CheckpointSource`, every other parameter keeps its current
   array.
+- `OrbaxSource` (jengine/models/orbax_checkpoint.py): every parameter restored from an Orbax
+  checkpoint already in the held layout, straight onto its placement, then cast on the device.
 """
 
 from __future__ import annotations
@@ -97,6 +99,26 @@ class MappingReader:
 Placement = Callable[[ParamSpec], Any]  # spec -> its jax Sharding (sharding.rules.param_placement)
 
 
+def held_layout(arr, spec: ParamSpec):
+    """A checkpoint tensor -> the layout the model holds (`rows` kept, transposed), checked
+    against the spec's shape; still in the stored dtype. A device array (DLPack handoff) stays on
+    the device; anything else becomes a numpy array (Orbax conversion writes these)."""
+    import jax
+
+    if not isinstance(arr, jax.Array):
+        arr = np.asarray(arr)
+    if spec.rows is not None:
+        arr = arr[: spec.rows]
+    if spec.transpose:
+        arr = arr.T
+    if arr.shape != spec.shape:
+        stored = arr.shape[::-1] if spec.transpose else arr.shape
+        raise ValueError(f"checkpoint tensor {spec.checkpoint!r} has shape {tuple(stored)} "
+                         + ("(first rows kept) " if spec.rows is not None else "")
+                         + f"but the model expects {spec.stored_shape}")
+    return arr
+
+
 class CheckpointSource:
     """Fills each spec from `reader`, one tensor at a time. `placement` (None: the default device)
     gives each parameter's sharding from its spec (its logical axes under the launch's rules)."""
@@ -107,18 +129,7 @@ class CheckpointSource:
     def place(self, spec: ParamSpec):
         import jax
 
-        arr = self.reader.read(spec.checkpoint)
-        if not isinstance(arr, jax.Array):  # a device array (DLPack handoff) stays on the device
-            arr = np.asarray(arr)
-        if spec.rows is not None:
-            arr = arr[: spec.rows]
-        if spec.transpose:
-            arr = arr.T
-        if arr.shape != spec.shape:
-            stored = arr.shape[::-1] if spec.transpose else arr.shape
-            raise ValueError(f"checkpoint tensor {spec.checkpoint!r} has shape {tuple(stored)} "
-                             + ("(first rows kept) " if spec.rows is not None else "")
-                             + f"but the model expects {spec.stored_shape}")
+        arr = held_layout(self.reader.read(spec.checkpoint), spec)
         sharding = None if self.placement is None else self.placement(spec)
         return jax.device_put(arr, sharding).astype(spec.dtype)
 
@@ -171,6 +182,8 @@ class PlacedSource:
 def weight_source(weights, *, placement: Placement | None = None) -> WeightSource:
     """A weight source from what a caller holds: a source, a reader, or a mapping name -> array;
     with `placement`, every parameter it gives is on its sharding."""
+    if hasattr(weights, "weight_source"):  # a checkpoint that restores onto the placement itself
+        return weights.weight_source(placement)  # (Orbax: jengine/models/orbax_checkpoint.py)
     if hasattr(weights, "place"):
         # Moving an array already on its sharding is free, so any source may be wrapped.
         return weights if placement is None else PlacedSource(weights, placement)
