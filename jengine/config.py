@@ -75,7 +75,8 @@ class LaunchConfig:
 
     # -- parallelism (single device for now: anything but 1 is refused; see sharding/) ----------
     tp_size: int = _opt(1, "tensor parallel size")
-    dp_size: int = _opt(1, "data parallel size (attention DP)")
+    dp_size: int = _opt(1, "data-parallel replicas behind one server, each on its own "
+                        "--tp-size devices (docs/serving.md)")
     ep_size: int = _opt(1, "expert parallel size (MoE families)")
     moe_tp_size: int = _opt(1, "MoE tensor parallel size")
 
@@ -131,9 +132,9 @@ class LaunchRefusal(ValueError):
     silently run without it (numerics.NumericsRefusal is the envelopes' kind)."""
 
 
-# Until the multi-device issue lands every parallel size is 1; a larger one would be accepted
-# and silently served by one device.
-PARALLEL_SIZES = ("tp_size", "dp_size", "ep_size", "moe_tp_size")
+# Until the multi-device issue lands these sizes are 1; a larger one would be accepted and
+# silently served by one device. (--dp-size is served: replicas, jengine/server/replicas.py.)
+PARALLEL_SIZES = ("tp_size", "ep_size", "moe_tp_size")
 
 
 def refuse_inert_options(cfg: LaunchConfig) -> None:
