@@ -82,7 +82,7 @@ def _server_app(value, name, tiny):
 
 def _server_running_sets(value, name, tiny):
     """How many requests the server admits to run at once: one running set per data-parallel
-    replica (the replicas themselves: tests/test_server_dp_live.py)."""
+    replica (the replicas themselves: tests/test_server_replicas.py)."""
     from jengine.server.async_engine import AsyncEngine
 
     eng = FakeEngine()

@@ -15,7 +15,7 @@ and engine thread -- and replicas share nothing but the process.
     server_info     replica 0's launch and model, plus dp_size and each replica's devices and load
 
 Under rl-bitwise a request's bits depend on neither its batch nor its replica, so the same request
-gives the same ids and logprob bits on every replica (tests/test_server_dp_live.py) and an RL
+gives the same ids and logprob bits on every replica (tests/test_server_replicas.py) and an RL
 framework may spread rollouts freely. Every replica applies the same weight commands in the same
 order, so they serve the same weight version; get_weight_version checks it.
 """

@@ -2,21 +2,26 @@
 loopback, each replica on its own fake CPU device: the same request gives the same ids and
 logprob bits on both replicas (rl-bitwise), concurrent requests spread over both (least-loaded),
 the RL routes reach both, and /get_server_info and /metrics give one view. The negative control
-shows the bit comparison does see a replica serving other weights.
+shows the bit comparison does see a replica serving other weights. Routing and aborts are also
+checked without a server, over two of the server tests' fake engines.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import types
 
 import httpx
 import pytest
 
 from jengine.config import LaunchConfig, LaunchRefusal
 from jengine.server.testing import ServerProcess
+from jengine.server.metrics import ServerMetrics
+from jengine.server.replicas import ReplicaSet
 from sharding.mesh import replica_devices
 from tests.bits import count_bit_differences
+from tests.test_server_unit import FakeEngine
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9]
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -111,3 +116,46 @@ def test_too_few_devices_and_the_offline_engine_are_refused():
 
     with pytest.raises(LaunchRefusal, match=r"--dp-size 2: an Engine is one replica.*jengine serve"):
         _replica_devices(LaunchConfig(dp_size=2), None)
+
+
+class FakeReplica(FakeEngine):
+    """The server's fake engine, returning a handle as Engine.submit does."""
+
+    def submit(self, **request):
+        return types.SimpleNamespace(rids=[super().submit(**request)])
+
+
+def test_least_loaded_routing_aborts_and_metrics_without_a_server():
+    replicas = [FakeReplica(token_delay_s=0.005), FakeReplica(token_delay_s=0.005)]
+    rs = ReplicaSet(replicas)
+    finals: dict[str, dict] = {}
+    done = threading.Condition()
+
+    def on_output(out):
+        with done:
+            finals[out["meta_info"]["id"]] = out
+            done.notify_all()
+
+    def wait_for(*rids):
+        with done:
+            assert done.wait_for(lambda: all(r in finals for r in rids), timeout=30), rids
+
+    long = {"max_new_tokens": 10_000}
+    for rid in ("r0", "r1", "r2"):  # -> replicas 0, 1, 0 (ties to the lowest index)
+        rs.submit(input_ids=[1], sampling_params=long, rid=rid, on_output=on_output)
+    assert [s["num_running"] for s in rs.stats()["replicas"]] == [2, 1]
+    assert rs.stats()["num_running"] == 3
+    assert rs.abort_many(["r1"]) == 1 and replicas[0].abort_calls == 0  # only its replica
+    wait_for("r1")
+    assert finals["r1"]["meta_info"]["replica"] == 1
+    assert finals["r1"]["meta_info"]["finish_reason"]["type"] == "abort"
+    rs.submit(input_ids=[1], sampling_params=long, rid="r3", on_output=on_output)
+    assert [s["num_running"] for s in rs.stats()["replicas"]] == [2, 1]  # r3 took replica 1
+    assert rs.abort_many(["r0", "r2", "r3"]) == 3
+    wait_for("r0", "r2", "r3")
+    assert [finals[r]["meta_info"]["replica"] for r in ("r0", "r2", "r3")] == [0, 0, 1]
+
+    text = ServerMetrics(rs).render().decode()
+    assert 'jengine:replica_kv_total_tokens{replica="1"} 1024.0' in text
+    assert "jengine:kv_total_tokens 2048.0" in text
+    assert "jengine:step_latency_seconds_count 4.0" in text  # each replica's two steps
