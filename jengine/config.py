@@ -75,7 +75,8 @@ class LaunchConfig:
 
     # -- parallelism (docs/parallelism.md; sizes other than tp_size must be 1 for now) ----------
     tp_size: int = _opt(1, "tensor parallel size")
-    dp_size: int = _opt(1, "data parallel size (attention DP)")
+    dp_size: int = _opt(1, "data-parallel replicas behind one server, each on its own "
+                        "--tp-size devices (docs/serving.md)")
     ep_size: int = _opt(1, "expert parallel size (MoE families)")
     moe_tp_size: int = _opt(1, "MoE tensor parallel size")
 
@@ -132,8 +133,9 @@ class LaunchRefusal(ValueError):
 
 
 # Parallel sizes not implemented yet: a larger one would be accepted and silently served without it.
-# (--tp-size is served: jengine/engine/model_runner.py, docs/parallelism.md.)
-PARALLEL_SIZES = ("dp_size", "ep_size", "moe_tp_size")
+# (--tp-size and --dp-size are served: jengine/engine/model_runner.py, jengine/server/replicas.py;
+# docs/parallelism.md.)
+PARALLEL_SIZES = ("ep_size", "moe_tp_size")
 
 
 def refuse_inert_options(cfg: LaunchConfig) -> None:
@@ -142,7 +144,7 @@ def refuse_inert_options(cfg: LaunchConfig) -> None:
         value = getattr(cfg, name)
         if value != 1:
             raise LaunchRefusal(f"--{name.replace('_', '-')} {value}: not implemented yet (only "
-                                "--tp-size may be larger than 1; docs/parallelism.md)")
+                                "--tp-size and --dp-size may be larger than 1; docs/parallelism.md)")
     if cfg.quantization not in (None, "", "none"):
         raise LaunchRefusal(f"--quantization {cfg.quantization}: jengine has no quantized "
                             "execution; the weights run in --dtype")

@@ -115,7 +115,8 @@ def _is_moe(m, launch) -> bool:
 
 
 def _multi_device(m, launch) -> bool:
-    return any(getattr(launch, n) > 1 for n in ("tp_size", "dp_size", "ep_size", "moe_tp_size"))
+    # Not dp_size: a data-parallel replica computes alone; no collective crosses replicas.
+    return any(getattr(launch, n) > 1 for n in ("tp_size", "ep_size", "moe_tp_size"))
 
 
 # Switches that act only on some models or launches. Set explicitly to a value other than its

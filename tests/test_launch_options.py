@@ -80,6 +80,16 @@ def _server_app(value, name, tiny):
         return r.status_code, r.json()
 
 
+def _server_running_sets(value, name, tiny):
+    """How many requests the server admits to run at once: one running set per data-parallel
+    replica (the replicas themselves: tests/test_server_replicas.py)."""
+    from jengine.server.async_engine import AsyncEngine
+
+    eng = FakeEngine()
+    eng.config = LaunchConfig(**{name: value})
+    return AsyncEngine(eng).work.max_running
+
+
 def _serve_argv(value, name, tiny):
     """What `jengine serve --<flag> <value>` hands uvicorn (host, port)."""
     from jengine.config import launch_config_from_args
@@ -147,8 +157,9 @@ PROBES = {
     "disable_autotune": (True, _xla_flags),
     "deterministic_ops": (True, _xla_flags),
     "quantization": ("fp8", REFUSED),
-    "tp_size": (2, REFUSED),
-    "dp_size": (2, REFUSED),
+    "tp_size": (2, lambda v, name, tiny: plan_launch(_resolved("cpu", tp_size=v),
+                                                     tiny.config).runner.tp_size),
+    "dp_size": (2, _server_running_sets),
     "ep_size": (2, REFUSED),
     "moe_tp_size": (2, REFUSED),
     "page_size": (8, _runner("page_size")),

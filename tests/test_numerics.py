@@ -153,13 +153,22 @@ def test_eplb_with_the_rank_combine_stays_an_auto_launch():
     assert resolve(enable_eplb=True).config.moe_combine_order == "rank"
 
 
-@pytest.mark.parametrize("name", ["tp_size", "dp_size", "ep_size", "moe_tp_size"])
+@pytest.mark.parametrize("name", ["ep_size", "moe_tp_size"])
 @pytest.mark.parametrize("numerics", ["auto", "rl-bitwise"])
-def test_parallel_sizes_above_one_are_refused_until_multi_device_lands(name, numerics):
+def test_parallel_sizes_not_implemented_are_refused(name, numerics):
     flag = "--" + name.replace("_", "-")
-    with pytest.raises(LaunchRefusal, match=rf"{flag} 2\b.*(multi-device|MoE TP must be 1)"):
+    with pytest.raises(LaunchRefusal, match=rf"{flag} 2\b.*(not implemented|MoE TP must be 1)"):
         resolve(numerics=numerics, **{name: 2})
-    assert resolve(numerics=numerics, tp_batch_invariant="attn").warnings == ()
+
+
+def test_tp_without_tp_batch_invariant_warns_under_rl_bitwise():
+    """Spec, "Parallel layouts and the envelope": a bitwise launch whose o_proj/down_proj are
+    row-parallel is told its bits hold at its own TP size only; `all` (or auto) does not warn."""
+    (warning,) = resolve(numerics="rl-bitwise", tp_size=2).warnings
+    assert "--tp-size 2 without --tp-batch-invariant" in warning
+    assert resolve(numerics="rl-bitwise", tp_size=2, tp_batch_invariant="all").warnings == ()
+    assert resolve(numerics="auto", tp_size=2).warnings == ()
+    assert resolve(numerics="rl-bitwise").warnings == ()
 
 
 def test_as_dict_lists_every_switch_and_the_envelope():

@@ -51,12 +51,14 @@ class Engine(RLControl):
         self._start(launch_config_from_kwargs(model_path, numerics=numerics, **launch_options))
 
     @classmethod
-    def from_config(cls, cfg: LaunchConfig) -> "Engine":
+    def from_config(cls, cfg: LaunchConfig, *, replica: int | None = None) -> "Engine":
+        """replica: with --dp-size M > 1, which of the server's M replicas this engine is (it
+        runs on that replica's device group); jengine/server/replicas.py builds them."""
         eng = cls.__new__(cls)
-        eng._start(cfg)
+        eng._start(cfg, replica)
         return eng
 
-    def _start(self, cfg: LaunchConfig) -> None:
+    def _start(self, cfg: LaunchConfig, replica: int | None = None) -> None:
         """The one launch path: resolve, load, plan, then build each part from its own config."""
         from jengine.numerics import resolve_launch
 
@@ -74,9 +76,10 @@ class Engine(RLControl):
         from jengine.models import IncrementalDetokenizer, load_model
 
         _enable_compilation_cache()
+        devices = _replica_devices(resolved.config, replica)
         loaded = load_model(resolved.config.model_path)
         plan = plan_launch(resolved, loaded.config)  # refuses what the launch can't serve
-        runner = ModelRunner(loaded.config, loaded.checkpoint, plan.runner)
+        runner = ModelRunner(loaded.config, loaded.checkpoint, plan.runner, devices=devices)
         sampler = Sampler(plan.sampler, loaded.config.vocab_size)
         if not resolved.config.skip_warmup:
             t0 = time.perf_counter()
@@ -466,6 +469,23 @@ class Engine(RLControl):
             self._tracked.pop(state.rid, None)
             self._counters["requests"] += 1
             self._counters["prompt_tokens"] += state.prompt_len
+
+
+def _replica_devices(cfg: LaunchConfig, replica: int | None) -> tuple | None:
+    """A replica's device group; None (the default device) for a plain engine."""
+    from jengine.config import LaunchRefusal
+    from sharding.mesh import replica_devices
+
+    if cfg.dp_size == 1 and replica is None:
+        return None
+    if replica is None:
+        raise LaunchRefusal(f"--dp-size {cfg.dp_size}: an Engine is one replica; serve "
+                            f"{cfg.dp_size} data-parallel replicas with `jengine serve --dp-size "
+                            f"{cfg.dp_size}` (docs/serving.md)")
+    try:
+        return replica_devices(cfg.dp_size, cfg.tp_size, replica)
+    except ValueError as exc:
+        raise LaunchRefusal(str(exc)) from None
 
 
 def _enable_compilation_cache() -> None:

@@ -18,8 +18,8 @@ from jengine.models.kv_cache import KVCacheSpec
 class KVPool:
     def __init__(self, spec: KVCacheSpec, *, num_pages: int, page_size: int, dtype,
                  sharding=None):
-        """sharding: every pool array's placement (tensor parallelism: split on kv_heads);
-        None = the default device."""
+        """sharding: every pool array's placement (tensor parallelism: split on kv_heads; a
+        data-parallel replica: its device); None = the default device."""
         self.spec, self.num_pages, self.page_size, self.dtype = spec, num_pages, page_size, dtype
         self.sharding = sharding
         self.arrays = self.allocate(num_pages)
@@ -45,10 +45,7 @@ class KVPool:
 
     def allocate(self, num_pages: int):
         """Zeroed arrays of `num_pages` pages in this pool's layout and placement."""
-        arrays = self.spec.allocate(num_pages, self.page_size, self.dtype)
-        if self.sharding is None:
-            return arrays
-        return jax.tree.map(lambda a: jax.device_put(a, self.sharding), arrays)
+        return self.spec.allocate(num_pages, self.page_size, self.dtype, device=self.sharding)
 
     def copy(self, src: list[int], dst: list[int]) -> None:
         if len(src):

@@ -15,6 +15,10 @@ ParamSpec's logical axes through the tensor_parallel rules (sharding/rules.py), 
 on kv_heads, and runs the whole step -- and the LM head -- under one `jax.shard_map`: the model
 computes on its local shards and talks to other ranks only at the call sites of
 sharding/tensor_parallel.py. With tp_size == 1 none of this is built: the step is today's program.
+
+A data-parallel replica passes its own `devices` (sharding.mesh.replica_devices): the mesh is
+built from them, or at tp_size == 1 the parameters and the KV pool are committed to that one
+device, so every jitted program runs there. Without `devices`, the default device as before.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from tqdm import tqdm
 
 from jengine.engine.batch import StepBatch
@@ -52,11 +56,12 @@ _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.floa
 
 
 class ModelRunner:
-    def __init__(self, model_config, weights, cfg: RunnerConfig):
+    def __init__(self, model_config, weights, cfg: RunnerConfig, devices: tuple | None = None):
         """model_config: the checkpoint's ModelConfig, already checked against the launch
         (jengine.launch.plan_launch). weights: a checkpoint reader (LoadedModel.checkpoint), a
         mapping of HF tensor name -> array, or a weight source such as RandomSource (the bench).
-        cfg: the runner's part of the launch plan."""
+        cfg: the runner's part of the launch plan. devices: this runner's device group (a
+        data-parallel replica's); None = jax's default device, or the first tp_size devices."""
         self.model_config = model_config
         self.family = get_family(model_config.architecture)
         self.options = cfg.model
@@ -65,10 +70,15 @@ class ModelRunner:
                                                 features=cfg.model.required_features,
                                                 head_dim=model_config.head_dim)
         logger.info("kernel plans: %s", self.kernels.describe())
-        self.mesh = self._placement = self._tp = None
+        self.mesh = self._placement = self._tp = self._device = self._home = None
         self._kv_head_replicas = 1
+        if cfg.tp_size == 1 and devices is not None:
+            # A replica's model is built on its own device (never staged on the default one),
+            # then committed there.
+            self._home = devices[0]
+            self._device = SingleDeviceSharding(self._home)
         if cfg.tp_size > 1:
-            self.mesh = make_mesh(tp=cfg.tp_size)
+            self.mesh = make_mesh(tp=cfg.tp_size, devices=devices)
             self._rules = rules_for(layout_for(cfg.tp_size, cfg.tp_batch_invariant))
             self._kv_head_replicas = kv_head_replicas(model_config.num_attention_heads,
                                                       model_config.num_key_value_heads,
@@ -80,7 +90,8 @@ class ModelRunner:
                 cfg.tp_size, cfg.batch_invariant_collectives,
                 column_sites=frozenset(s for s in ("o", "down") if self._rules.column_parallel(s)),
                 kv_head_replicas=self._kv_head_replicas)
-        self._graphdef, state = nnx.split(self._build_model(weights))
+        with jax.default_device(self._home):
+            self._graphdef, state = nnx.split(self._build_model(weights))
         # The jitted programs take the parameters as one flat tuple: jit flattens a tuple of arrays
         # in C++, an nnx.State (hundreds of leaves) through Python callbacks -- host time each step.
         self._params, self._state_def = jax.tree.flatten(state)
@@ -127,7 +138,7 @@ class ModelRunner:
     def _kv_sharding(self, kv_spec):
         """The pool's placement: K/V pages split on kv_heads, like k_proj/v_proj's columns."""
         if self.mesh is None:
-            return None
+            return self._device
         if not isinstance(kv_spec.layout, KVPages):
             raise ValueError(f"tp_size={self._tp.size}: the KV pool layout {kv_spec.layout!r} has "
                              "no tensor-parallel placement (only K/V pages do)")
@@ -140,6 +151,8 @@ class ModelRunner:
 
     def _replicate_unplaced(self, params: tuple) -> tuple:
         """Under TP, state with no ParamSpec (the RoPE tables) goes to every rank whole."""
+        if self._device is not None:  # committed, so the step programs follow it to its device
+            return tuple(jax.device_put(p, self._device) for p in params)
         if self.mesh is None:
             return params
         replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -205,7 +218,8 @@ class ModelRunner:
             model = self._model(self._live_params())
             named, specs = model.named_parameters(), self.param_specs()
             weights = OverlaySource(weights, {specs[p]: named[p] for p in specs})
-        _, state = nnx.split(self._build_model(weights))
+        with jax.default_device(self._home):
+            _, state = nnx.split(self._build_model(weights))
         return self._replicate_unplaced(tuple(jax.tree.leaves(state)))
 
     def swap_params(self, params: tuple) -> None:

@@ -74,12 +74,13 @@ class KVCacheSpec:
     def layout(self) -> KVPages | LatentPages:
         return self.layers[0]
 
-    def allocate(self, num_pages: int, page_size: int, dtype):
-        """The zeroed pool: per layer, a tuple of one array per component."""
+    def allocate(self, num_pages: int, page_size: int, dtype, device=None):
+        """The zeroed pool: per layer, a tuple of one array per component. device: a Sharding
+        to create them with (never staged whole on the default device); None = default."""
         import jax.numpy as jnp
 
         shape = (num_pages, page_size, *self.layout.page_shape)
-        return tuple(tuple(jnp.zeros(shape, dtype) for _ in layer.components)
+        return tuple(tuple(jnp.zeros(shape, dtype, device=device) for _ in layer.components)
                      for layer in self.layers)
 
     def page_image_shape(self, num_pages: int, page_size: int) -> tuple[int, ...]:

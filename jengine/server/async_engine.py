@@ -105,7 +105,9 @@ class AsyncEngine:
                  admission: AdmissionLimits | None = None):
         self.engine = engine
         self.admission = admission or AdmissionLimits()
-        self.work = WorkQueue(self.admission, int(engine.plan.scheduler.max_running_requests))
+        # Every data-parallel replica has its own running set (jengine/server/replicas.py).
+        running = int(engine.plan.scheduler.max_running_requests) * int(engine.config.dp_size)
+        self.work = WorkQueue(self.admission, running)
         self._pending_aborts: dict[str, str] = {}  # rid -> message, for the next abort_many
         self._abort_lock = threading.Lock()
         self._abort_flush_scheduled = False

@@ -71,8 +71,8 @@ def build_parser(prog: str = "python -m jengine.serve") -> argparse.ArgumentPars
 
 
 def main(args: argparse.Namespace) -> int:
-    from jengine.engine.engine import Engine
     from jengine.server.app import create_app
+    from jengine.server.replicas import serving_engine
 
     config = launch_config_from_args(args)
     level = getattr(logging, str(config.log_level).upper(), logging.INFO)
@@ -90,7 +90,7 @@ def main(args: argparse.Namespace) -> int:
     # Until uvicorn takes over the signals, SIGTERM (like Ctrl-C) stops the startup cleanly.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        engine = Engine.from_config(config)
+        engine = serving_engine(config)  # one Engine, or --dp-size replicas of it
     except KeyboardInterrupt:
         logger.info("interrupted during startup")
         return 0

@@ -10,6 +10,11 @@ than the engine's list wraps (256 steps) and every step is observed exactly once
 Server-side values (HTTP requests by route and status, end-to-end latency, time to first token)
 are observed by the routes themselves.
 
+With data-parallel replicas (--dp-size M, jengine/server/replicas.py) every engine value above is
+the sum over replicas, and the gauges a router or an operator reads per replica (queue depth,
+running set, KV usage) are repeated as `jengine:replica_*` families with a `replica` label. Each
+replica's step latencies are followed separately into the one histogram.
+
 Each app has its own CollectorRegistry, so several servers (tests) can live in one process.
 """
 
@@ -43,6 +48,14 @@ _ENGINE_GAUGES = (
 )
 
 
+# Gauges repeated per replica (stats key, metric name, help), when the engine has replicas.
+_REPLICA_GAUGES = (
+    ("num_running", "jengine:replica_num_running_reqs", "Requests in a replica's running set"),
+    ("num_waiting", "jengine:replica_num_queue_reqs", "Requests waiting in a replica's queue"),
+    ("kv_used_tokens", "jengine:replica_kv_used_tokens", "A replica's KV pool tokens in use"),
+    ("kv_total_tokens", "jengine:replica_kv_total_tokens", "A replica's KV pool capacity in tokens"),
+)
+
 _OVERLAP = 4  # values matched to find where the previous scrape stopped
 
 
@@ -74,6 +87,12 @@ class _EngineCollector:
         yield GaugeMetricFamily("jengine:token_usage", "KV pool usage fraction (0..1)", value=usage)
         yield GaugeMetricFamily("jengine:num_http_in_flight",
                                 "Requests the HTTP server is waiting on", value=self.metrics.in_flight())
+        replicas = stats.get("replicas") or ()
+        for key, name, doc in _REPLICA_GAUGES if replicas else ():
+            family = GaugeMetricFamily(name, doc, labels=["replica"])
+            for i, replica in enumerate(replicas):
+                family.add_metric([str(i)], float(replica.get(key, 0)))
+            yield family
 
 
 class ServerMetrics:
@@ -82,7 +101,8 @@ class ServerMetrics:
         self.in_flight = in_flight
         self.registry = CollectorRegistry(auto_describe=True)
         self._lock = threading.Lock()
-        self._last_seen: list[float] = []  # tail of the latency list at the previous scrape
+        self._last_seen: dict[int, list[float]] = {}  # per replica: the latency list's tail at
+        # the previous scrape
         self.http_requests = Counter("jengine:http_requests", "HTTP requests by route and status",
                                      ["route", "status"], registry=self.registry)
         self.e2e_latency = Histogram("jengine:e2e_request_latency_seconds",
@@ -101,13 +121,14 @@ class ServerMetrics:
         return stats
 
     def _observe_new_steps(self, stats: dict) -> None:
-        recent = [float(x) for x in stats.get("step_latency_seconds") or ()]
         with self._lock:
-            start = _after_overlap(self._last_seen, recent)
-            for seconds in recent[start:]:
-                self.step_latency.observe(seconds)
-            if recent:
-                self._last_seen = recent[-_OVERLAP:]
+            for i, engine_stats in enumerate(stats.get("replicas") or [stats]):
+                recent = [float(x) for x in engine_stats.get("step_latency_seconds") or ()]
+                start = _after_overlap(self._last_seen.get(i, []), recent)
+                for seconds in recent[start:]:
+                    self.step_latency.observe(seconds)
+                if recent:
+                    self._last_seen[i] = recent[-_OVERLAP:]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
