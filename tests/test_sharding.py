@@ -65,7 +65,7 @@ def test_negative_zero_sums_come_out_positive(probe):
 
 
 def test_xla_cpu_flushes_subnormals(probe):
-    """Measured platform fact, documented in docs/sharding.md: XLA:CPU arithmetic (the fold and a
+    """Measured platform fact, documented in docs/parallelism.md: XLA:CPU arithmetic (the fold and a
     plain jitted add alike) treats subnormals as zero, where numpy keeps them."""
     sub = probe["subnormal"]
     assert sub["numpy"] > 0
@@ -73,7 +73,7 @@ def test_xla_cpu_flushes_subnormals(probe):
 
 
 def test_xla_cpu_psum_is_a_rank_order_fold(probe):
-    """Measurement, not a contract (docs/sharding.md): on XLA:CPU's in-process communicator psum
+    """Measurement, not a contract (docs/parallelism.md): on XLA:CPU's in-process communicator psum
     and psum_scatter give the fold's bits here, bf16 included. Nothing says so for NCCL."""
     assert probe["psum_vs_fold_differing"] == 0
     assert probe["psum_bf16_vs_fold_differing"] == 0
