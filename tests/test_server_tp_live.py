@@ -23,6 +23,8 @@ import pytest
 from jengine import Engine
 from jengine.server.testing import ServerProcess
 from scripts.goldens import bits, differences, output_record
+from tests.test_server_live import sse_data
+from tests.test_server_replicas import server_info
 
 # Options that reach the bits are the same on both sides; only the device layout differs.
 LAUNCH = dict(context_length=256, page_size=16, chunked_prefill_size=64, max_prefill_tokens=128)
@@ -60,12 +62,6 @@ def tp1():
     """The reference: the same model and launch on this process's one device."""
     with Engine("tiny", numerics="rl-bitwise", skip_warmup=True, **LAUNCH) as eng:
         yield eng
-
-
-def server_info(http) -> dict:
-    r = http.get("/get_server_info")
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def on_both_replicas(http, sends: list[Callable[[], Any]]) -> list[Any]:
@@ -193,10 +189,6 @@ def test_openai_chat_with_logprobs_on_both_replicas_gives_the_tp1_bits(oai, http
         got = [[c.token, bits(c.logprob), [[a.token, bits(a.logprob)] for a in c.top_logprobs]]
                for c in out.choices[0].logprobs.content]
         assert len(got) == 6 and differences(want, got) == []
-
-
-def sse_data(lines) -> list[str]:
-    return [line[len("data: "):] for line in lines if line.startswith("data: ")]
 
 
 def test_streaming_generate_ends_with_the_tp1_bits(http, tp1):
