@@ -8,6 +8,8 @@ right position with the right values; the two signed-zero logprob forms are told
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from interop.dumps import read_dump, write_dump
 from interop.testing import make_certain_token_model, make_tiny_hf_model
 from jengine.engine.engine import Engine
 from jengine.profiles import override_profile
+from tests.fake_devices import ROOT, fake_device_env
 
 ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 LAUNCH = dict(numerics="rl-bitwise", skip_warmup=True, max_total_tokens=8192,
@@ -146,6 +149,25 @@ def test_cli_exit_status(qwen3, workdir):
     assert main(["align", "--dump", str(dumps["trainer"]), *common]) == 0
     assert main(["align", "--dump", str(workdir / "perturbed.pt"), *common]) == 1
 
+
+
+def test_cli_at_tp2_matches_with_tp_batch_invariant_all_and_not_with_off(qwen3):
+    """Trainer alignment at TP2 (8 fake CPU devices, a subprocess each: XLA reads the device count
+    once per process). With `all` every reduction is the trainer's full-K association, so the dump
+    matches; with `off` o_proj and down_proj fold two rank partials, which is not -- the control."""
+    d, _, dumps = qwen3
+    command = [sys.executable, "-m", "jengine.cli", "align", "--dump", str(dumps["trainer"]),
+               "--model", str(d), "--allow-unverified-profile", "--skip-warmup",
+               "--no-self-consistency", "--max-total-tokens", "8192", "--tp-size", "2"]
+    runs = {layout: subprocess.run([*command, "--tp-batch-invariant", layout], cwd=ROOT,
+                                   env=fake_device_env(8), capture_output=True, text=True,
+                                   timeout=600)
+            for layout in ("all", "off")}
+    report = {layout: run.stdout + run.stderr[-2000:] for layout, run in runs.items()}
+    assert runs["all"].returncode == 0, report["all"]
+    assert "3 of 3 sequences MATCH the dump bit for bit" in runs["all"].stdout, report["all"]
+    assert runs["off"].returncode == 1, report["off"]
+    assert "alignment FAILED" in runs["off"].stdout, report["off"]
 
 def test_signed_zero_forms(workdir):
     """A model whose next token is certain: neg-ce writes -0.0, direct +0.0; each aligns only with
