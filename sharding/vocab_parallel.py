@@ -219,25 +219,45 @@ def vocab_parallel_top_logprobs(local_logits: jax.Array, k: int, order: str,
 def make_vocab_parallel_head(mesh, param_specs, local_logits, *, order: str,
                              block_sumexp_plan: KernelPlan, argmax_plan: KernelPlan,
                              vocab_size: int, axis: str = TENSOR_AXIS):
-    """A jitted `(params, hidden [T, H], rows int32[n], token_ids int32[n]) -> (greedy ids int32[n],
-    token logprobs f32[n])` running under one shard_map over `mesh`.
+    """`head(params, hidden [T, H], rows int32[n], token_ids int32[n], *, greedy_targets, k)` ->
+    (greedy ids int32[n], token logprobs f32[n], top-k values f32[n, k], top-k ids int32[n, k]),
+    each a jitted program under one shard_map over `mesh`, compiled once per (greedy_targets, k).
 
-    `local_logits(params, hidden[rows])` must return this rank's [n, V_local] logits columns (the
-    LM head without its gather); `param_specs` are the params' PartitionSpecs. The block layout
-    is checked here, so a misaligned head is refused when it is built, not at its first step."""
+    greedy_targets: score each row's own greedy id (a greedy step: one program, no host round trip)
+    instead of `token_ids`. `local_logits(params, hidden[rows])` must return this rank's
+    [n, V_local] logits columns (the LM head without its gather); `param_specs` are the params'
+    PartitionSpecs. The block layout is checked here, so a misaligned head is refused when it is
+    built, not at its first step."""
     world = dict(mesh.shape)[axis]
     if vocab_size % world:
         raise ValueError(f"vocab-parallel head: vocab_size={vocab_size} is not a multiple of the "
                          f"{axis!r} axis size {world}")
     check_block_aligned(order, vocab_size, vocab_size // world, world)
-
-    def head(params, hidden, rows, token_ids):
-        local = local_logits(params, hidden[rows])
-        return (vocab_parallel_argmax(local, axis, local_argmax=argmax_plan),
-                vocab_parallel_token_logprobs(local, token_ids, order, block_sumexp_plan,
-                                              axis=axis))
-
     replicated = PartitionSpec()
-    # check_vma=False as for the runner's step: the leaves start loops from unvarying values.
-    return jax.jit(jax.shard_map(head, mesh=mesh, in_specs=(param_specs,) + (replicated,) * 3,
-                                 out_specs=(replicated, replicated), check_vma=False))
+    programs = {}
+
+    def program(greedy_targets: bool, k: int):
+        def head(params, hidden, rows, token_ids):
+            local = local_logits(params, hidden[rows])
+            greedy = vocab_parallel_argmax(local, axis, local_argmax=argmax_plan)
+            targets = greedy if greedy_targets else token_ids
+            logprobs = vocab_parallel_token_logprobs(local, targets, order, block_sumexp_plan,
+                                                     axis=axis)
+            if k:
+                values, ids = vocab_parallel_top_logprobs(local, k, order, block_sumexp_plan,
+                                                          axis=axis)
+            else:
+                values, ids = jnp.zeros((rows.shape[0], 0)), jnp.zeros((rows.shape[0], 0), jnp.int32)
+            return greedy, logprobs, values, ids
+
+        # check_vma=False as for the runner's step: the leaves start loops from unvarying values.
+        return jax.jit(jax.shard_map(head, mesh=mesh, in_specs=(param_specs,) + (replicated,) * 3,
+                                     out_specs=(replicated,) * 4, check_vma=False))
+
+    def call(params, hidden, rows, token_ids, *, greedy_targets: bool = False, k: int = 0):
+        key = (bool(greedy_targets), int(k))
+        if key not in programs:
+            programs[key] = program(*key)
+        return programs[key](params, hidden, rows, token_ids)
+
+    return call

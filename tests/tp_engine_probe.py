@@ -7,7 +7,8 @@ logprob bits as hex, divergence lists, counts); the assertions live in the test.
 topology  the tiny model's recorded goldens (tests/goldens/cpu.json, one device) replayed at TP2
           with --tp-batch-invariant all; and a Qwen3 with 8 query / 2 KV heads (so TP8 divides
           its heads; TP4 and TP8 replicate KV heads) at TP1, TP2, TP4, TP8 with `all`, and at TP8
-          with `off`, on the same greedy and seeded T=1 requests with prompt logprobs and top-k.
+          with `off`, on the same greedy and seeded T=1 requests with prompt logprobs and top-k
+          (at TP2 scored by the vocab-parallel head, at TP4/TP8 from gathered logits).
 harness   the invariance harness (jengine/invariance.py) at TP2 and TP4 under rl-bitwise, and its
           auto control at TP2 in float32 (one engine: packed, rerun, prefix hit).
 """
@@ -28,7 +29,11 @@ from jengine.profiles import override_profile  # noqa: E402
 from scripts.goldens import _tiny_requests, differences, output_record  # noqa: E402
 
 ARCH = "Qwen3ForCausalLM"
-SMALL = dict(skip_warmup=True, page_size=4, chunked_prefill_size=8, max_total_tokens=2048)
+# blockwise-16384: at TP2 each rank holds one whole block of the 32768 vocabulary, so the step scores
+# greedy rows and prompt logprobs with the vocab-parallel head (no logits gather); at TP4 and TP8 a
+# block spans ranks and the step gathers the logits. Both paths must give the TP1 bits.
+SMALL = dict(skip_warmup=True, page_size=4, chunked_prefill_size=8, max_total_tokens=2048,
+             logprob_order="blockwise-16384")
 
 
 def eight_head_model(directory: Path) -> Path:
@@ -66,6 +71,8 @@ def topology() -> dict:
             launch = dict(tp_size=tp) if tp == 1 else dict(tp_size=tp, tp_batch_invariant=layout)
             with Engine(model, numerics="rl-bitwise", **SMALL, **launch) as eng:
                 records[f"tp{tp}_{layout}"] = topology_requests(eng)
+                result.setdefault("scores_without_gather", {})[f"tp{tp}_{layout}"] = (
+                    eng.runner.scores_without_gather(eng.sampler))
         result["eight_head_records"] = records
     return result
 

@@ -188,8 +188,8 @@ def kernel_probe() -> dict:
 
 
 def runner_probe() -> dict:
-    """The tiny model at TP2 (vocab 32768: 16384 columns per rank): ModelRunner.vocab_parallel_head
-    against the Sampler on the gathered logits (logits_at)."""
+    """The tiny model at TP2 (vocab 32768: 16384 columns per rank): ModelRunner.score_rows against
+    the Sampler on the gathered logits (logits_at)."""
     from jengine.config import LaunchConfig
     from jengine.engine.batch import SamplingRows, StepBatch
     from jengine.engine.model_runner import ModelRunner
@@ -222,15 +222,22 @@ def runner_probe() -> dict:
                           seed=np.zeros(n, np.uint32), position=np.zeros(n, np.int32))
     want_ids = sampler.sample(logits, greedy)
     want_lp = sampler.token_logprobs(logits, targets)
-    got_ids, got_lp = runner.vocab_parallel_head(hidden, rows, targets, sampler)
+    got_ids, got_lp, (top_values, top_ids) = runner.score_rows(hidden, rows, sampler,
+                                                                target_ids=targets, k=3)
+    want_values, want_top_ids = sampler.top_logprobs(logits, 3, n)
+    own_ids, own_lp, _ = runner.score_rows(hidden, rows, sampler)  # greedy targets, one program
     out = {"rows": len(rows), "greedy_ids_differing": int(np.count_nonzero(got_ids != want_ids)),
-           "logprob_bits_differing": count_bit_differences(want_lp, got_lp)}
+           "logprob_bits_differing": count_bit_differences(want_lp, got_lp),
+           "top_ids_differing": int(np.count_nonzero(top_ids != want_top_ids)),
+           "top_logprob_bits_differing": count_bit_differences(want_values, top_values),
+           "greedy_target_ids_differing": int(np.count_nonzero(own_ids != want_ids)),
+           "greedy_target_logprob_bits_differing": count_bit_differences(
+               sampler.token_logprobs(logits, want_ids), own_lp),
+           "scores_without_gather": runner.scores_without_gather(sampler)}
     wide_order = dataclasses.replace(launch_plan.sampler, logprob_order="blockwise")
-    try:  # 32768-wide blocks do not fit 16384 columns per rank
-        runner.vocab_parallel_head(hidden, rows, targets, Sampler(wide_order, tiny.config.vocab_size))
-        out["blockwise_refusal"] = None
-    except ValueError as e:
-        out["blockwise_refusal"] = str(e)
+    # 32768-wide blocks do not fit 16384 columns per rank: that launch gathers the logits
+    out["blockwise_scores_without_gather"] = runner.scores_without_gather(
+        Sampler(wide_order, tiny.config.vocab_size))
     return out
 
 

@@ -223,6 +223,12 @@ class Engine(RLControl):
         parallelism = getattr(self.runner, "parallelism", None)
         if parallelism is not None:
             info["parallelism"] = {**parallelism(), "invariances": self._invariances()}
+            local = getattr(self.runner, "scores_without_gather", None)
+            if info["parallelism"]["layout"] != "replicated" and local is not None:
+                info["parallelism"]["head_scoring"] = (
+                    "vocab-parallel: greedy steps and prompt logprobs with no logits gather; "
+                    "T > 0 draws gather their rows" if local(self.sampler) else
+                    "gathered logits (the logprob order's blocks span ranks)")
         order = getattr(self.sampler, "logprob_order", None)
         if order is not None:
             # How the logprob order folds this vocabulary; a last block short of the width is

@@ -188,7 +188,7 @@ class ModelRunner:
                 "o_proj": site[self._tp.column_parallel("o")],
                 "gate_proj": "column-parallel (mlp)", "up_proj": "column-parallel (mlp)",
                 "down_proj": site[self._tp.column_parallel("down")],
-                "lm_head": "vocab-parallel (local columns + all-gather of the logits)",
+                "lm_head": "vocab-parallel (local columns)",
             },
         }
 
@@ -317,31 +317,53 @@ class ModelRunner:
         idx[: len(rows)] = rows
         return self._logits_rows(self._params, hidden_padded, idx)
 
-    # -- the vocab-parallel head (sharding/vocab_parallel.py); the engine's step does not use it yet
-    def vocab_parallel_head(self, hidden_padded: jax.Array, rows, target_ids,
-                            sampler) -> tuple[np.ndarray, np.ndarray]:
-        """(greedy ids int32[n], logprobs of target_ids float32[n]) of ``hidden_padded[rows]``: the
-        bits `sampler` gives on `logits_at` (its canonical argmax and `token_logprobs`), while every
-        rank keeps its own logits columns -- no [n, V] gather. tp_size > 1 only."""
+    # -- the vocab-parallel head (sharding/vocab_parallel.py) ----------------------------------------
+    def scores_without_gather(self, sampler) -> bool:
+        """Whether `score_rows` can serve `sampler`'s greedy tokens, logprobs and top-k here: TP > 1
+        and a blockwise logprob order whose blocks each sit on one rank (else the step gathers the
+        logits and the Sampler scores them: the same bits, [rows, V] f32 moved per step)."""
+        return self._vocab_parallel_head(sampler) is not None
+
+    def _vocab_parallel_head(self, sampler):
         if self._tp is None:
-            raise ValueError("vocab_parallel_head needs tp_size > 1; at tp_size=1 the Sampler runs "
-                             "on logits_at")
+            return None
         key = tuple(sorted(sampler.describe().items()))
         if key not in self._vocab_parallel_heads:
             def local_logits(params, hidden):  # the LM head without tp: this rank's columns
                 model = self._model(params)
                 return model.lm_head(model.kernels, hidden, out_dtype=model.dtype)
 
-            self._vocab_parallel_heads[key] = make_vocab_parallel_head(
-                self.mesh, tuple(p.sharding.spec for p in self._params), local_logits,
-                order=sampler.logprob_order, block_sumexp_plan=sampler.block_sumexp_plan,
-                argmax_plan=sampler.argmax_plan, vocab_size=sampler.vocab_size)
+            try:
+                head = make_vocab_parallel_head(
+                    self.mesh, tuple(p.sharding.spec for p in self._params), local_logits,
+                    order=sampler.logprob_order, block_sumexp_plan=sampler.block_sumexp_plan,
+                    argmax_plan=sampler.argmax_plan, vocab_size=sampler.vocab_size)
+            except ValueError as e:
+                logger.info("the step gathers the logits: %s", e)
+                head = None
+            self._vocab_parallel_heads[key] = head
+        return self._vocab_parallel_heads[key]
+
+    def score_rows(self, hidden_padded: jax.Array, rows, sampler, *, target_ids=None,
+                   k: int = 0) -> tuple[np.ndarray, np.ndarray, tuple | None]:
+        """For ``hidden_padded[rows]``: (greedy ids int32[n], logprobs float32[n] of target_ids --
+        of the greedy ids when None --, (top-k values, ids) or None), with the bits `sampler`
+        gives on `logits_at` (canonical argmax, `token_logprobs`, `top_logprobs`), while every
+        rank keeps its own logits columns. Only where `scores_without_gather(sampler)`."""
+        head = self._vocab_parallel_head(sampler)
+        if head is None:
+            raise ValueError("score_rows: no vocab-parallel head here (tp_size=1, or a logprob "
+                             "order whose blocks straddle ranks); use logits_at and the Sampler")
         n = len(rows)
         bucket = next_pow2(n, MIN_LOGIT_BUCKET)  # logits_at's buckets
         idx, ids = np.zeros(bucket, np.int32), np.zeros(bucket, np.int32)
-        idx[:n], ids[:n] = rows, target_ids
-        greedy, logprobs = self._vocab_parallel_heads[key](self._params, hidden_padded, idx, ids)
-        return np.asarray(greedy)[:n], np.asarray(logprobs)[:n]
+        idx[:n] = rows
+        if target_ids is not None:
+            ids[:n] = target_ids
+        greedy, logprobs, values, top_ids = head(self._params, hidden_padded, idx, ids,
+                                                 greedy_targets=target_ids is None, k=k)
+        tops = (np.asarray(values)[:n], np.asarray(top_ids)[:n]) if k else None
+        return np.asarray(greedy)[:n].astype(np.int32), np.asarray(logprobs)[:n], tops
 
     # -- page images (prefix-cache copy-on-write, retraction) --------------------------------------
     def copy_pages(self, src: list[int], dst: list[int]) -> None:

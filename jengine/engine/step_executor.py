@@ -7,6 +7,12 @@ request's (seed, absolute position of the new token), and the sampled token's lo
 `sampler.token_logprobs`. Prompt rows: logits in chunks of --input-logprob-chunk-tokens rows (so the
 [rows, vocab] tensor stays bounded) through the SAME `sampler.token_logprobs` (spec, "Logprobs: one
 arithmetic for prompt and output"). Both consumers take logits from the same LM-head route.
+
+Under tensor parallelism with a block-aligned head (`runner.scores_without_gather(sampler)`), greedy
+steps and prompt rows are scored by the vocab-parallel head instead (`runner.score_rows`: argmax,
+logprobs and top-k with no rank holding a whole row; the Sampler's bits, sharding/vocab_parallel.py).
+A step with a T > 0 row still gathers its sampled rows' logits: the Gumbel draw with top-k/top-p
+filters needs the whole row.
 """
 
 from __future__ import annotations
@@ -42,8 +48,22 @@ def execute_step(runner: Any, sampler: Any, step: ScheduledStep,
     hidden = runner.forward_padded(step.batch)
     step_rows = step.batch.hidden_rows
 
+    scores_locally = getattr(runner, "scores_without_gather", None)
+    scores_locally = bool(scores_locally and scores_locally(sampler))
     sampled = [seg for seg in step.segments if seg.sample]
-    if sampled:
+    if sampled and scores_locally and all(s.req.sampling.temperature == 0 for s in sampled):
+        k = max((s.req.top_logprobs_num for s in sampled if s.req.return_logprob), default=0)
+        tokens, lps, tops = runner.score_rows(hidden, step_rows[[s.sample_hidden for s in sampled]],
+                                              sampler, k=k)
+        want = any(s.req.return_logprob for s in sampled)
+        for i, seg in enumerate(sampled):
+            res = results[id(seg)]
+            res.token = int(tokens[i])
+            if want:
+                res.token_logprob = lps[i]
+            if tops is not None:
+                res.token_top = (tops[0][i], tops[1][i])
+    elif sampled:
         logits = runner.logits_at(hidden, step_rows[[s.sample_hidden for s in sampled]])
         params = [s.req.sampling for s in sampled]
         rows = SamplingRows(
@@ -74,10 +94,15 @@ def execute_step(runner: Any, sampler: Any, step: ScheduledStep,
     chunk = input_logprob_chunk_tokens
     for i in range(0, len(scored), chunk):
         part = scored[i: i + chunk]
-        logits = runner.logits_at(hidden, step_rows[[h for _, h, _ in part]])
-        lps = np.asarray(sampler.token_logprobs(logits, np.array([t for _, _, t in part], np.int32)))
+        rows = step_rows[[h for _, h, _ in part]]
+        targets = np.array([t for _, _, t in part], np.int32)
         k = max(seg.req.top_logprobs_num for seg, _, _ in part)
-        tops = [np.asarray(a) for a in sampler.top_logprobs(logits, k, len(part))] if k else None
+        if scores_locally:
+            _, lps, tops = runner.score_rows(hidden, rows, sampler, target_ids=targets, k=k)
+        else:
+            logits = runner.logits_at(hidden, rows)
+            lps = np.asarray(sampler.token_logprobs(logits, targets))
+            tops = [np.asarray(a) for a in sampler.top_logprobs(logits, k, len(part))] if k else None
         for j, (seg, _, _) in enumerate(part):
             res = results[id(seg)]
             res.prompt_logprobs.append(lps[j])
