@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jengine.config import LaunchRefusal
+from jengine.logprob_orders import LOGPROB_ORDERS
 from jengine.engine.scheduler import SchedulerConfig
 from jengine.numerics import SWITCH_DEFAULTS, ResolvedLaunch, check_model
 
@@ -67,6 +68,9 @@ class RunnerConfig:
     tp_size: int = 1                           # the "tensor" mesh axis
     batch_invariant_collectives: bool = False  # the row-parallel sums' route (sharding.collectives)
     tp_batch_invariant: str = "off"            # the reduction sites' layout (sharding/rules.py)
+    # The logprob order's block width (None: the whole row, "torch"): under TP the LM head is padded
+    # so each rank holds whole blocks, and the step scores without gathering logits.
+    logprob_block_width: int | None = None
 
 
 @dataclass(frozen=True)
@@ -181,7 +185,8 @@ def plan_launch(resolved: ResolvedLaunch, model_config: Any) -> LaunchPlan:
                             max_step_tokens=launch.max_prefill_tokens + launch.max_running_requests,
                             tp_size=launch.tp_size,
                             batch_invariant_collectives=bool(launch.batch_invariant_collectives),
-                            tp_batch_invariant=launch.tp_batch_invariant),
+                            tp_batch_invariant=launch.tp_batch_invariant,
+                            logprob_block_width=LOGPROB_ORDERS[launch.logprob_order][0]),
         scheduler=scheduler,
         sampler=SamplerOptions(logprob_order=launch.logprob_order, hardware=resolved.hardware,
                                required_features=frozenset(resolved.required_features)),

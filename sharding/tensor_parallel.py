@@ -89,3 +89,20 @@ def kv_head_replicas(num_heads: int, kv_heads: int, tp: int) -> int:
         return tp // kv_heads
     raise ValueError(f"tp_size={tp} and {kv_heads} KV heads: one must divide the other (whole KV "
                      "heads per rank, or whole ranks per KV head)")
+
+
+# Padding the LM head to whole blocks per rank costs a share of its GEMM; past this share the step
+# gathers the logits instead (Llama-3's 128256 at TP8 would need 262144 columns).
+MAX_HEAD_PADDING = 1 / 8
+
+
+def head_padding(vocab_size: int, tp: int, block_width: int | None) -> int:
+    """Zero columns appended to a vocab-parallel LM head so every rank holds whole logprob blocks
+    (sharding/vocab_parallel.py scores them with no gather): 0 when none are needed, when the order
+    has no blocks, or when they would cost more than MAX_HEAD_PADDING of the head."""
+    if tp == 1 or block_width is None:
+        return 0
+    if vocab_size % tp == 0 and (vocab_size // tp) % block_width == 0:
+        return 0
+    padded = -(-vocab_size // (tp * block_width)) * tp * block_width
+    return padded - vocab_size if padded - vocab_size <= MAX_HEAD_PADDING * vocab_size else 0

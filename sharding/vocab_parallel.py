@@ -218,7 +218,8 @@ def vocab_parallel_top_logprobs(local_logits: jax.Array, k: int, order: str,
 
 def make_vocab_parallel_head(mesh, param_specs, local_logits, *, order: str,
                              block_sumexp_plan: KernelPlan, argmax_plan: KernelPlan,
-                             vocab_size: int, axis: str = TENSOR_AXIS):
+                             vocab_size: int, head_columns: int | None = None,
+                             axis: str = TENSOR_AXIS):
     """`head(params, hidden [T, H], rows int32[n], token_ids int32[n], *, greedy_targets, k)` ->
     (greedy ids int32[n], token logprobs f32[n], top-k values f32[n, k], top-k ids int32[n, k]),
     each a jitted program under one shard_map over `mesh`, compiled once per (greedy_targets, k).
@@ -226,26 +227,29 @@ def make_vocab_parallel_head(mesh, param_specs, local_logits, *, order: str,
     greedy_targets: score each row's own greedy id (a greedy step: one program, no host round trip)
     instead of `token_ids`. `local_logits(params, hidden[rows])` must return this rank's
     [n, V_local] logits columns (the LM head without its gather); `param_specs` are the params'
-    PartitionSpecs. The block layout is checked here, so a misaligned head is refused when it is
-    built, not at its first step."""
+    PartitionSpecs; head_columns (default vocab_size): the LM head's columns, past vocab_size
+    zero padding (read as -inf). The block layout is checked here, so a misaligned head is refused
+    when it is built, not at its first step."""
     world = dict(mesh.shape)[axis]
-    if vocab_size % world:
-        raise ValueError(f"vocab-parallel head: vocab_size={vocab_size} is not a multiple of the "
-                         f"{axis!r} axis size {world}")
-    check_block_aligned(order, vocab_size, vocab_size // world, world)
+    head_columns = vocab_size if head_columns is None else head_columns
+    if head_columns % world:
+        raise ValueError(f"vocab-parallel head: {head_columns} head columns are not a multiple of "
+                         f"the {axis!r} axis size {world}")
+    check_block_aligned(order, vocab_size, head_columns // world, world)
     replicated = PartitionSpec()
     programs = {}
 
     def program(greedy_targets: bool, k: int):
         def head(params, hidden, rows, token_ids):
             local = local_logits(params, hidden[rows])
-            greedy = vocab_parallel_argmax(local, axis, local_argmax=argmax_plan)
+            greedy = vocab_parallel_argmax(local, axis, local_argmax=argmax_plan,
+                                           vocab_size=vocab_size)
             targets = greedy if greedy_targets else token_ids
             logprobs = vocab_parallel_token_logprobs(local, targets, order, block_sumexp_plan,
-                                                     axis=axis)
+                                                     axis=axis, vocab_size=vocab_size)
             if k:
                 values, ids = vocab_parallel_top_logprobs(local, k, order, block_sumexp_plan,
-                                                          axis=axis)
+                                                          axis=axis, vocab_size=vocab_size)
             else:
                 values, ids = jnp.zeros((rows.shape[0], 0)), jnp.zeros((rows.shape[0], 0), jnp.int32)
             return greedy, logprobs, values, ids

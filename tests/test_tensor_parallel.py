@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from sharding.tensor_parallel import head_padding
 from tests.fake_devices import run_probe
 
 @pytest.fixture(scope="module")
@@ -83,3 +84,20 @@ def test_tp_larger_than_kv_heads_replicates_them(probe):
 def test_tp_not_dividing_the_heads_is_refused(probe):
     assert re.search(r"tp_size=3 does not divide the model's 4 attention heads",
                      probe["tp3_refusal"])
+
+
+@pytest.mark.parametrize("vocab, tp, width, pad", [
+    (128256, 2, 32768, 2816),   # Llama-3 at TP2 and TP4: 131072 columns, whole blocks per rank
+    (128256, 4, 32768, 2816),
+    (128256, 8, 32768, 0),      # 262144 would double the head: the step gathers instead
+    (151936, 2, 32768, 0),      # Qwen2/3: whole blocks need 196608 (+29 %): gather
+    (32768, 2, 32768, 0),       # the tiny model: one block, +100 %
+    (131072, 4, 32768, 0),      # already whole blocks per rank
+    (30000, 2, 16384, 2768),
+    (30000, 1, 16384, 0),       # one device: no head to split
+    (30000, 2, None, 0),        # --logprob-order torch: no blocks
+])
+def test_head_padding_gives_whole_blocks_per_rank_within_its_bound(vocab, tp, width, pad):
+    assert head_padding(vocab, tp, width) == pad
+    if pad:
+        assert ((vocab + pad) // tp) % width == 0 and pad <= vocab / 8

@@ -26,13 +26,15 @@ def test_tp2_all_replays_the_one_device_goldens(topology):
 
 def test_tp1_tp2_tp4_tp8_are_bitwise_equal_with_tp_batch_invariant_all(topology):
     """The same greedy and seeded T=1 requests, with prompt logprobs and top-2 alternatives, on a
-    Qwen3 with 8 query / 2 KV heads (TP4 and TP8 replicate KV heads): identical ids and logprob
-    bits at TP1, TP2, TP4 and TP8. At TP2 greedy rows and prompt logprobs are scored by the
-    vocab-parallel head (no logits gather: blockwise-16384 puts one whole block on each rank); at
-    TP4 and TP8 a block spans ranks and the step gathers the logits."""
+    Qwen3 with 8 query / 2 KV heads (TP4 and TP8 replicate KV heads) and a 30000-token vocabulary:
+    identical ids and logprob bits at TP1, TP2, TP4 and TP8. At TP2 greedy rows and prompt
+    logprobs are scored by the vocab-parallel head (no logits gather: the head padded to 32768
+    columns, one whole 16384-wide block per rank); at TP4 and TP8 the padding would exceed its
+    bound and the step gathers the logits."""
     assert topology["scores_without_gather"] == {"tp1_off": False, "tp2_all": True,
                                                  "tp4_all": False, "tp8_all": False,
                                                  "tp8_off": False}
+    assert "padded with 2768 zero columns" in topology["eight_head_tp2_lm_head"]
     records = topology["eight_head_records"]
     base = records["tp1_off"]
     assert len(base) == 4 and all(r["output_ids"] and r["input_token_logprobs"]

@@ -29,9 +29,12 @@ from jengine.profiles import override_profile  # noqa: E402
 from scripts.goldens import _tiny_requests, differences, output_record  # noqa: E402
 
 ARCH = "Qwen3ForCausalLM"
-# blockwise-16384: at TP2 each rank holds one whole block of the 32768 vocabulary, so the step scores
-# greedy rows and prompt logprobs with the vocab-parallel head (no logits gather); at TP4 and TP8 a
-# block spans ranks and the step gathers the logits. Both paths must give the TP1 bits.
+# blockwise-16384 over a 30000-token vocabulary: at TP2 the LM head is padded to 32768 columns (one
+# whole 16384-wide block per rank, +9 %), so the step scores greedy rows and prompt logprobs with the
+# vocab-parallel head (no logits gather); at TP4 and TP8 whole blocks would need 65536 columns (more
+# than sharding.tensor_parallel.MAX_HEAD_PADDING), so the step gathers the logits. Both paths must
+# give the TP1 bits.
+VOCAB = 30000
 SMALL = dict(skip_warmup=True, page_size=4, chunked_prefill_size=8, max_total_tokens=2048,
              logprob_order="blockwise-16384")
 
@@ -40,7 +43,7 @@ def eight_head_model(directory: Path) -> Path:
     from interop.testing import make_tiny_hf_model
 
     return make_tiny_hf_model(directory, ARCH, seed=8, num_attention_heads=8,
-                              num_key_value_heads=2)
+                              num_key_value_heads=2, vocab_size=VOCAB)
 
 
 def topology_requests(eng) -> dict:
@@ -73,6 +76,9 @@ def topology() -> dict:
                 records[f"tp{tp}_{layout}"] = topology_requests(eng)
                 result.setdefault("scores_without_gather", {})[f"tp{tp}_{layout}"] = (
                     eng.runner.scores_without_gather(eng.sampler))
+                if tp == 2:
+                    result["eight_head_tp2_lm_head"] = eng.runner.parallelism()["projections"][
+                        "lm_head"]
         result["eight_head_records"] = records
     return result
 

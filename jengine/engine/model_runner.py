@@ -44,7 +44,7 @@ from jengine.models.registry import get_family
 from pallas_kernels.fixed_order import next_pow2
 from sharding.mesh import make_mesh
 from sharding.rules import check_divisible, layout_for, logical_to_spec, param_placement, rules_for
-from sharding.tensor_parallel import TensorParallel, kv_head_replicas
+from sharding.tensor_parallel import TensorParallel, head_padding, kv_head_replicas
 from sharding.vocab_parallel import make_vocab_parallel_head
 
 logger = logging.getLogger(__name__)
@@ -90,12 +90,16 @@ class ModelRunner:
                 cfg.tp_size, cfg.batch_invariant_collectives,
                 column_sites=frozenset(s for s in ("o", "down") if self._rules.column_parallel(s)),
                 kv_head_replicas=self._kv_head_replicas)
+        self._head_pad = 0 if self._tp is None else head_padding(
+            model_config.vocab_size, cfg.tp_size, cfg.logprob_block_width)
         with jax.default_device(self._home):
             self._graphdef, state = nnx.split(self._build_model(weights))
         # The jitted programs take the parameters as one flat tuple: jit flattens a tuple of arrays
         # in C++, an nnx.State (hundreds of leaves) through Python callbacks -- host time each step.
         self._params, self._state_def = jax.tree.flatten(state)
-        self._params = self._replicate_unplaced(tuple(self._params))
+        self._head_index = next(i for i, (path, _) in enumerate(jax.tree.flatten_with_path(state)[0])
+                                if jax.tree_util.keystr(path).startswith("['lm_head']['weight']"))
+        self._params = self._finish_params(tuple(self._params))
         self._host_params: tuple | None = None  # while the weights are released (release_weights)
 
         kv = cfg.kv
@@ -149,6 +153,17 @@ class ModelRunner:
         check_divisible("KV pool", (1, 1, *kv_spec.layout.page_shape), axes, rules, self.mesh)
         return NamedSharding(self.mesh, logical_to_spec(axes, rules))
 
+    def _finish_params(self, params: tuple) -> tuple:
+        """The built model's parameters as the step takes them: placed (`_replicate_unplaced`)
+        and, under TP, the LM head padded with zero columns (`head_padding`)."""
+        params = self._replicate_unplaced(params)
+        if not self._head_pad:
+            return params
+        head = params[self._head_index]
+        pad = jax.jit(lambda w: jnp.pad(w, ((0, 0), (0, self._head_pad))),
+                      out_shardings=head.sharding)
+        return params[: self._head_index] + (pad(head),) + params[self._head_index + 1:]
+
     def _replicate_unplaced(self, params: tuple) -> tuple:
         """Under TP, state with no ParamSpec (the RoPE tables) goes to every rank whole."""
         if self._device is not None:  # committed, so the step programs follow it to its device
@@ -188,7 +203,9 @@ class ModelRunner:
                 "o_proj": site[self._tp.column_parallel("o")],
                 "gate_proj": "column-parallel (mlp)", "up_proj": "column-parallel (mlp)",
                 "down_proj": site[self._tp.column_parallel("down")],
-                "lm_head": "vocab-parallel (local columns)",
+                "lm_head": "vocab-parallel (local columns)" + (
+                    f"; padded with {self._head_pad} zero columns so each rank holds whole "
+                    "logprob blocks" if self._head_pad else ""),
             },
         }
 
@@ -217,10 +234,12 @@ class ModelRunner:
         if only is not None:
             model = self._model(self._live_params())
             named, specs = model.named_parameters(), self.param_specs()
+            # the model's own columns of a padded head (_finish_params pads the rebuilt one)
+            named["lm_head.weight"] = named["lm_head.weight"][:, : self.model_config.vocab_size]
             weights = OverlaySource(weights, {specs[p]: named[p] for p in specs})
         with jax.default_device(self._home):
             _, state = nnx.split(self._build_model(weights))
-        return self._replicate_unplaced(tuple(jax.tree.leaves(state)))
+        return self._finish_params(tuple(jax.tree.leaves(state)))
 
     def swap_params(self, params: tuple) -> None:
         """Serve `params` from the next step on. Same shapes and dtypes as the current tuple, so
@@ -337,7 +356,8 @@ class ModelRunner:
                 head = make_vocab_parallel_head(
                     self.mesh, tuple(p.sharding.spec for p in self._params), local_logits,
                     order=sampler.logprob_order, block_sumexp_plan=sampler.block_sumexp_plan,
-                    argmax_plan=sampler.argmax_plan, vocab_size=sampler.vocab_size)
+                    argmax_plan=sampler.argmax_plan, vocab_size=sampler.vocab_size,
+                    head_columns=sampler.vocab_size + self._head_pad)
             except ValueError as e:
                 logger.info("the step gathers the logits: %s", e)
                 head = None

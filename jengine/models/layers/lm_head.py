@@ -21,6 +21,9 @@ class LMHead(nnx.Module):
 
     def __init__(self, specs: dict, source):
         self.weight = nnx.Param(source.place(specs["weight"]))
+        # Under TP the runner may pad the weight with zero columns (whole logprob blocks per rank);
+        # the gathered logits are cut back to the vocabulary.
+        self.vocab_size = specs["weight"].shape[1]
 
     def __call__(self, kern, hidden, *, out_dtype, tp=None):
         """[n, H] -> [n, V] in the model dtype, widened to f32 (an exact conversion).
@@ -28,4 +31,4 @@ class LMHead(nnx.Module):
         tp (inside shard_map): vocab-parallel; each rank's columns are gathered in vocabulary
         order, so every rank returns all V logits (a sampler sees the unsharded row)."""
         logits = kern.gemm(hidden, self.weight[...], None, out_dtype=out_dtype).astype(jnp.float32)
-        return logits if tp is None else tp.gather_vocab(logits)
+        return logits if tp is None else tp.gather_vocab(logits)[:, : self.vocab_size]
