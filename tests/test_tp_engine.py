@@ -43,6 +43,15 @@ def test_tp1_tp2_tp4_tp8_are_bitwise_equal_with_tp_batch_invariant_all(topology)
         assert records[name] == base, name
 
 
+def test_weight_updates_through_the_padded_tp2_head(topology):
+    """update_weights_from_tensor of lm_head.weight alone (the padded, vocab-split head is cut back,
+    overlaid and padded again) with its own values keeps every bit; with doubled values the bits
+    change (the control); update_weights_from_disk of the same model restores them."""
+    assert topology["tp2_weight_updates"] == {"partial_same_equal": True,
+                                              "partial_doubled_equal": False,
+                                              "disk_reload_equal": True}
+
+
 def test_tp8_off_is_recorded_not_promised(topology):
     """Without --tp-batch-invariant the row-parallel fold is not the full-K GEMM's association,
     so TP8 is not TP1 (measured: most records differ). Recorded, never asserted equal; it is also

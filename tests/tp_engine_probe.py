@@ -58,6 +58,23 @@ def topology_requests(eng) -> dict:
     return {name: output_record(o) for name, o in out.items()}
 
 
+def weight_updates(eng, model: str) -> dict:
+    """Weight swaps through the padded TP2 head: a partial update of lm_head.weight with its own
+    values, then with doubled values (the control), then a full reload from disk."""
+    from safetensors.numpy import load_file
+
+    head = load_file(str(Path(model) / "model.safetensors"))["lm_head.weight"]
+    before = topology_requests(eng)
+    eng.update_weights_from_tensor({"lm_head.weight": head})
+    same = topology_requests(eng)
+    eng.update_weights_from_tensor({"lm_head.weight": head * 2})
+    doubled = topology_requests(eng)
+    eng.update_weights_from_disk(model)
+    reloaded = topology_requests(eng)
+    return {"partial_same_equal": same == before, "partial_doubled_equal": doubled == before,
+            "disk_reload_equal": reloaded == before}
+
+
 def topology() -> dict:
     result = {}
     golden = json.loads((ROOT / "tests" / "goldens" / "cpu.json").read_text())["tiny"]
@@ -79,6 +96,7 @@ def topology() -> dict:
                 if tp == 2:
                     result["eight_head_tp2_lm_head"] = eng.runner.parallelism()["projections"][
                         "lm_head"]
+                    result["tp2_weight_updates"] = weight_updates(eng, model)
         result["eight_head_records"] = records
     return result
 

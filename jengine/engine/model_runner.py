@@ -234,8 +234,11 @@ class ModelRunner:
         if only is not None:
             model = self._model(self._live_params())
             named, specs = model.named_parameters(), self.param_specs()
-            # the model's own columns of a padded head (_finish_params pads the rebuilt one)
-            named["lm_head.weight"] = named["lm_head.weight"][:, : self.model_config.vocab_size]
+            if self._head_pad:  # the model's own columns (_finish_params pads the rebuilt head)
+                head = named["lm_head.weight"]
+                named["lm_head.weight"] = jax.jit(
+                    lambda w: w[:, : self.model_config.vocab_size],
+                    out_shardings=head.sharding)(head)
             weights = OverlaySource(weights, {specs[p]: named[p] for p in specs})
         with jax.default_device(self._home):
             _, state = nnx.split(self._build_model(weights))
