@@ -41,8 +41,11 @@ declare_family("linear", "gemm_group", _gemm_group_signature)
 
 XLA_NATIVE = dict(formats=FORMATS, hardware={"any"}, priority=Priority.TUNED + 1,
                   traits={"batch_invariant": False})
+# width_invariant: an output element's bits do not depend on how many columns (N) share the call,
+# so a column-parallel shard computes the one-device value (docs/parallelism.md, topology).
 FIXED_ORDER = dict(formats=FORMATS, hardware={"any"}, priority=Priority.PORTABLE,
-                   traits={"deterministic": True, "batch_invariant": True},
+                   traits={"deterministic": True, "batch_invariant": True,
+                           "width_invariant": True},
                    features={"batch_invariant"})
 
 

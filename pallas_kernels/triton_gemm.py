@@ -254,7 +254,9 @@ def gemm_group_triton_torch(x, ws, biases=None, *, out_dtype, schedule: str | No
 
 
 if triton_available():
-    # The same impl name and declarations in both families, so one request plans both.
+    # The same impl name and declarations in both families, so one request plans both. No
+    # width_invariant trait: the tile (its K schedule) follows the local N, so a column-parallel
+    # shard may not compute the one-device bits (docs/parallelism.md, the GPU topology gap).
     for family_name, fn in (("gemm", gemm_triton), ("gemm_group", gemm_group_triton)):
         register("linear", family_name, "triton_fixed_tile", formats=FORMATS, hardware={"gpu"},
                  priority=Priority.TUNED, **INVARIANT)(fn)

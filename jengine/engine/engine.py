@@ -241,10 +241,13 @@ class Engine(RLControl):
     def _invariances(self) -> dict[str, bool]:
         """What this launch promises (docs/parallelism.md): run and batch invariance under a
         bitwise envelope at any layout; topology invariance (the TP1 bits at every TP size)
-        needs every reduction site column-parallel: --tp-batch-invariant all, or one device."""
+        needs every reduction site column-parallel (--tp-batch-invariant all) and GEMM leaves
+        whose bits do not follow the column count (not the GPU's tiled Triton GEMM yet)."""
         bitwise = bool(self.resolved.bitwise)
         cfg = self.resolved.config
-        topology = bitwise and (cfg.tp_size == 1 or cfg.tp_batch_invariant == "all")
+        topology = bitwise and (cfg.tp_size == 1 or (
+            cfg.tp_batch_invariant == "all"
+            and getattr(self.runner, "width_invariant_gemms", False)))
         return {"run": bitwise, "batch": bitwise, "topology": topology}
 
     def shutdown(self) -> None:

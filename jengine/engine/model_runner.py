@@ -184,6 +184,13 @@ class ModelRunner:
                                  rope_frequency_device=o.rope_frequency_device,
                                  rope_ramp_device=o.rope_ramp_device, **tp)
 
+    @property
+    def width_invariant_gemms(self) -> bool:
+        """Whether the planned GEMM leaves give an output element the same bits at any column
+        count (their `width_invariant` trait): what column-parallel shards need for the TP1 bits."""
+        return all(p.leaf.traits.get("width_invariant", False)
+                   for p in (self.kernels.gemm, self.kernels.gemm_group))
+
     def parallelism(self) -> dict:
         """The mesh and how each projection is split (reported by /get_server_info)."""
         if self._tp is None:
@@ -197,6 +204,7 @@ class ModelRunner:
             "mesh": {str(k): int(v) for k, v in self.mesh.shape.items()},
             "layout": self._rules.layout,
             "kv_head_replicas": self._kv_head_replicas,
+            "gemm_width_invariant": self.width_invariant_gemms,
             "projections": {
                 "embed_tokens": "vocab-parallel (row lookup + all-gather)",
                 "q_proj": "column-parallel (heads)", "k_proj": kv, "v_proj": kv,
