@@ -19,11 +19,14 @@ from jengine.logprob_orders import BLOCKWISE_VOCAB_BLOCK
 
 VOCAB_SIZE = BLOCKWISE_VOCAB_BLOCK
 
-# Per family: what differs (qkv bias, qk-norm, tied head, rope theta).
+# Per family: what differs (qkv bias, qk-norm, tied head, rope theta, experts).
 FAMILY_CONFIGS = {
     "LlamaForCausalLM": dict(rope_theta=500000.0, tie_word_embeddings=False, attention_bias=False),
     "Qwen2ForCausalLM": dict(rope_theta=1000000.0, tie_word_embeddings=True),
     "Qwen3ForCausalLM": dict(rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False),
+    "Qwen3MoeForCausalLM": dict(rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False,
+                                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                norm_topk_prob=True),
 }
 
 
@@ -42,7 +45,8 @@ def _config(architecture: str, eos_token_id: int, pad_token_id: int, vocab_size:
         rope = {**overrides.pop("rope_parameters"), "rope_theta": theta}
     dims.update(overrides)
     cls = {"LlamaForCausalLM": transformers.LlamaConfig, "Qwen2ForCausalLM": transformers.Qwen2Config,
-           "Qwen3ForCausalLM": transformers.Qwen3Config}[architecture]
+           "Qwen3ForCausalLM": transformers.Qwen3Config,
+           "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig}[architecture]
     return cls(vocab_size=vocab_size, rms_norm_eps=1e-6, rope_parameters=rope, **dims,
                eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=None,
                architectures=[architecture], dtype="bfloat16", **extra)

@@ -25,6 +25,7 @@ from typing import Any
 
 from jengine.config import LaunchRefusal
 from jengine.logprob_orders import LOGPROB_ORDERS
+from jengine.models.family import MoEOptions
 from jengine.engine.scheduler import SchedulerConfig
 from jengine.numerics import SWITCH_DEFAULTS, ResolvedLaunch, check_model
 
@@ -43,6 +44,7 @@ class ModelOptions:
     layer_boundary_norm: str       # "fused" / "unfused"
     rope_frequency_device: str     # --yarn-frequency-device: where RoPE frequencies are computed
     rope_ramp_device: str          # --yarn-ramp-mask-device: where the YaRN ramp is built
+    moe: MoEOptions | None = None  # --router-topk, --moe-combine-order (MoE models only)
 
 
 @dataclass(frozen=True)
@@ -129,8 +131,11 @@ def _multi_device(m, launch) -> bool:
 _APPLIES_TO: dict[str, tuple[str, Any]] = {
     "router_topk": ("MoE models", _is_moe),
     "moe_combine_order": ("MoE models", _is_moe),
-    "moe_backend": ("MoE models", _is_moe),
-    "enable_eplb": ("MoE models", _is_moe),
+    # Not built yet (issue #18): the experts run through the model's GEMM plans, on one device.
+    "moe_backend": ("MoE expert backends (none is implemented: a MoE model's experts run through "
+                    "its GEMM plans)", lambda m, launch: False),
+    "enable_eplb": ("expert-parallel MoE launches (expert parallelism is not implemented)",
+                    lambda m, launch: False),
     "mla_lora_scale": ("MLA models (kv_lora_rank > 0)", lambda m, launch: m.kv_lora_rank > 0),
     "dsa_slot_order": ("DeepSeek sparse-attention models (none is implemented)",
                        lambda m, launch: False),
@@ -165,7 +170,11 @@ def plan_launch(resolved: ResolvedLaunch, model_config: Any) -> LaunchPlan:
         hardware=resolved.hardware, required_features=frozenset(resolved.required_features),
         layer_boundary_norm=launch.layer_boundary_norm,
         rope_frequency_device=launch.yarn_frequency_device,
-        rope_ramp_device=launch.yarn_ramp_mask_device)
+        rope_ramp_device=launch.yarn_ramp_mask_device,
+        moe=MoEOptions(router_topk=launch.router_topk or SWITCH_DEFAULTS["router_topk"],
+                       combine_order=launch.moe_combine_order
+                       or SWITCH_DEFAULTS["moe_combine_order"])
+        if _is_moe(model_config, launch) else None)
     max_context = min(launch.context_length or model_config.max_position_embeddings,
                       model_config.max_position_embeddings)
     total_tokens = launch.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS

@@ -41,6 +41,11 @@ RULES_TABLE: tuple[tuple[str, MeshAxis, MeshAxis, MeshAxis, MeshAxis], ...] = (
     ("o_embed",     None,       None,      T,         T),         # o_proj's output (hidden)
     ("down_mlp",    None,       T,         T,         None),      # down_proj's input (mlp)
     ("down_embed",  None,       None,      None,      T),         # down_proj's output (hidden)
+    # MoE (issue #18): whole on every rank until expert parallelism splits "expert". MoE TP is 1
+    # (an expert's MLP width is never split); every rank scores every expert ("router_expert").
+    ("expert",        None,     None,      None,      None),      # stacked experts [E, ...]
+    ("expert_mlp",    None,     None,      None,      None),      # an expert's MLP width
+    ("router_expert", None,     None,      None,      None),      # the router's output columns
 )
 # fmt: on
 
@@ -61,6 +66,9 @@ class ShardingRules:
     o_embed: MeshAxis
     down_mlp: MeshAxis
     down_embed: MeshAxis
+    expert: MeshAxis
+    expert_mlp: MeshAxis
+    router_expert: MeshAxis
 
     def column_parallel(self, site: str) -> bool:
         """Whether reduction site "o" (o_proj) or "down" (down_proj) is column-parallel on hidden

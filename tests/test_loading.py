@@ -55,6 +55,7 @@ FAMILIES = {
     "LlamaForCausalLM": transformers.LlamaConfig,
     "Qwen2ForCausalLM": transformers.Qwen2Config,
     "Qwen3ForCausalLM": transformers.Qwen3Config,
+    "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
 }
 
 
@@ -76,7 +77,8 @@ def test_config_from_transformers_families(architecture, named):
     assert cfg.rope_theta == hf.rope_parameters["rope_theta"] and cfg.rope_scaling is None
     assert cfg.attention_bias is (architecture == "Qwen2ForCausalLM")
     assert cfg.attention_output_bias is False
-    assert cfg.qk_norm is (architecture == "Qwen3ForCausalLM")
+    assert cfg.qk_norm is architecture.startswith("Qwen3")
+    assert cfg.num_experts == getattr(hf, "num_experts", 0)
     assert cfg.input_vocab_size == cfg.vocab_size == hf.vocab_size and not cfg.split_vocab
     assert cfg.eos_token_ids == (7, 9) and cfg.bos_token_id == 3
     assert cfg.tie_word_embeddings == hf.tie_word_embeddings
@@ -159,7 +161,8 @@ def test_config_unknown_architecture_lists_supported():
 def test_registry_lists_the_families_and_refuses_a_second_registration():
     from jengine.models import registry
 
-    assert SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    assert SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                       "Qwen3MoeForCausalLM")
     with pytest.raises(ValueError, match="unsupported model architecture 'GPT2LMHeadModel'; "
                                          "supported: LlamaForCausalLM, Qwen2ForCausalLM, "
                                          "Qwen3ForCausalLM"):

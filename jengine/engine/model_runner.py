@@ -68,7 +68,8 @@ class ModelRunner:
         self.dtype = jnp.dtype(_DTYPES[cfg.model.dtype])
         self.kernels = self.family.plan_kernels(dtype=self.dtype, hardware=cfg.model.hardware,
                                                 features=cfg.model.required_features,
-                                                head_dim=model_config.head_dim)
+                                                head_dim=model_config.head_dim,
+                                                moe=cfg.model.moe)
         logger.info("kernel plans: %s", self.kernels.describe())
         self.mesh = self._placement = self._tp = self._device = self._home = None
         self._kv_head_replicas = 1

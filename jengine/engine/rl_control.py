@@ -46,9 +46,10 @@ class RLControl:
         # What each update is checked against: the model's checkpoint names and the launch
         # checkpoint's stored dtypes (a fresh launch from the update must load the same way).
         specs = runner.param_specs() if hasattr(runner, "param_specs") else {}
-        self._known_names = frozenset(s.checkpoint for s in specs.values()) | (
+        names = {n for s in specs.values() for n in s.checkpoint_names}
+        self._known_names = frozenset(names) | (
             {"lm_head.weight"} if getattr(model_config, "tie_word_embeddings", False) else set())
-        self._launch_dtypes = launch_dtypes(launch_weights, {s.checkpoint for s in specs.values()})
+        self._launch_dtypes = launch_dtypes(launch_weights, names)
         self.weight_version = "default"
         self._update_lock = threading.Lock()  # one build (or release) next to the weights at a time
         self._paused: str | None = None  # a PAUSE_MODES entry while generation is paused

@@ -16,7 +16,7 @@ qkv bias, Qwen3's q/k norm, the o_proj bias rule, refused options) is the family
   size (runtime `vocab_size`); missing or null means equal.
 
 The MoE and MLA fields are declared with their dense defaults (0: no experts, no latent
-attention) so that checks read fields, not probes; no registered family sets them yet.
+attention) so that checks read fields, not probes; Qwen3-MoE sets the MoE ones.
 
 The Hugging Face dict itself is never rewritten.
 """
@@ -77,6 +77,9 @@ class ModelConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False    # routing weights divided by their sum
+    decoder_sparse_step: int = 1    # every n-th layer is sparse ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... except these, which keep a dense MLP
     # MLA (0 = plain GQA): latent KV width, query low-rank width, rotary / non-rotary q-k head
     # widths, value head width.
     kv_lora_rank: int = 0

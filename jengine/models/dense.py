@@ -67,26 +67,36 @@ class ModelKernels:
         return {f: getattr(self, f).leaf.impl for f in self.__dataclass_fields__}
 
 
+def dense_mlp(cfg, layer: int):
+    """The MLP class of decoder layer `layer`: SwiGLU in every dense family. A body whose layers
+    differ (Qwen3-MoE's experts, jengine/models/moe_decoder.py) passes its own choice; an MLP
+    class has `specs(cfg, *, dtype)`, `__init__(cfg, specs, source)` and
+    `__call__(kern, x, *, dtype, tp)`."""
+    return SwiGLU
+
+
 class DecoderLayer(nnx.Module):
     @staticmethod
-    def specs(cfg, *, dtype) -> dict[str, dict]:
+    def specs(cfg, *, dtype, mlp=SwiGLU) -> dict[str, dict]:
         return {"input_layernorm": RMSNorm.specs(cfg.hidden_size, "embed", dtype=dtype),
                 "self_attn": Attention.specs(cfg, dtype=dtype),
                 "post_attention_layernorm": RMSNorm.specs(cfg.hidden_size, "embed", dtype=dtype),
-                "mlp": SwiGLU.specs(cfg, dtype=dtype)}
+                "mlp": mlp.specs(cfg, dtype=dtype)}
 
-    def __init__(self, cfg, specs: dict, source):
+    def __init__(self, cfg, specs: dict, source, mlp=SwiGLU):
         self.input_layernorm = RMSNorm(specs["input_layernorm"], source)
         self.self_attn = Attention(cfg, specs["self_attn"], source)
         self.post_attention_layernorm = RMSNorm(specs["post_attention_layernorm"], source)
-        self.mlp = SwiGLU(specs["mlp"], source)
+        self.mlp = mlp(cfg, specs["mlp"], source)
 
 
-def param_specs(cfg, *, dtype, checkpoint_name: Callable[[str], str]) -> dict[str, ParamSpec]:
+def param_specs(cfg, *, dtype, checkpoint_name: Callable[[str], str],
+                mlp_for=dense_mlp) -> dict[str, ParamSpec]:
     """Every parameter of a dense decoder, by path ("layers.0.self_attn.q_proj.weight"), with its
-    checkpoint tensor named by the family's `checkpoint_name(path)`. Nothing is loaded."""
+    checkpoint tensor named by the family's `checkpoint_name(path)`. Nothing is loaded.
+    mlp_for(cfg, layer): each layer's MLP class (`dense_mlp`)."""
     tree = {"embed_tokens": Embedding.specs(cfg, dtype=dtype),
-            "layers": {str(i): DecoderLayer.specs(cfg, dtype=dtype)
+            "layers": {str(i): DecoderLayer.specs(cfg, dtype=dtype, mlp=mlp_for(cfg, i))
                        for i in range(cfg.num_hidden_layers)},
             "norm": RMSNorm.specs(cfg.hidden_size, "embed", dtype=dtype),
             "lm_head": LMHead.specs(cfg, dtype=dtype)}
@@ -99,6 +109,8 @@ def kv_cache_spec(cfg) -> KVCacheSpec:
 
 class DenseDecoder(nnx.Module):
     """Weights and the forward of one dense decoder, its parameters filled from `source`."""
+
+    mlp_for = staticmethod(dense_mlp)  # each layer's MLP class; a subclass may choose per layer
 
     def __init__(self, cfg, specs: dict[str, ParamSpec], source, *, dtype, kernels: ModelKernels,
                  layer_boundary_norm: str = "unfused", rope_frequency_device: str = "device",
@@ -113,7 +125,8 @@ class DenseDecoder(nnx.Module):
         self.param_paths = tuple(specs)
         tree = _nest(specs)
         self.embed_tokens = Embedding(tree["embed_tokens"], source)
-        self.layers = nnx.List([DecoderLayer(cfg, tree["layers"][str(i)], source)
+        self.layers = nnx.List([DecoderLayer(cfg, tree["layers"][str(i)], source,
+                                             self.mlp_for(cfg, i))
                                 for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(tree["norm"], source)
         self.lm_head = LMHead(tree["lm_head"], source)

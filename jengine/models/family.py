@@ -25,6 +25,15 @@ class ModelProfile:
 
 
 @dataclass(frozen=True)
+class MoEOptions:
+    """The launch's MoE switches a MoE body plans with (jengine.launch sets them for MoE models
+    only; a dense body never sees them)."""
+
+    router_topk: str = "auto"       # --router-topk: "auto" (the registry's first) or a leaf name
+    combine_order: str = "rank"     # --moe-combine-order: "rank" or "slot"
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     architecture: str                   # HF class name in config.json "architectures"
     model_type: str                     # config.json "model_type", used when architectures is null
@@ -44,8 +53,11 @@ class ModelFamily:
     def kv_cache_spec(self, cfg):
         return self._body().kv_cache_spec(cfg)
 
-    def plan_kernels(self, **kwargs):
-        """The family's kernel-plan set, planned once (e.g. `ModelKernels.plan_for`)."""
+    def plan_kernels(self, *, moe: MoEOptions | None = None, **kwargs):
+        """The family's kernel-plan set, planned once (e.g. `ModelKernels.plan_for`); `moe`
+        (MoE models only) reaches the body's planner when given."""
+        if moe is not None:
+            kwargs["moe"] = moe
         return self._body().ModelKernels.plan_for(**kwargs)
 
     def build(self, cfg, source, *, dtype, kernels, **options):

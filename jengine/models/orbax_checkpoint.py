@@ -55,6 +55,10 @@ def write_orbax(reader, config, model_dir: str | Path, *, progress: bool = True)
     tree: dict = {}
     params: dict[str, dict] = {}
     for path, spec in tqdm(specs.items(), desc="Converting", unit="param", disable=not progress):
+        if spec.stacked:  # the metadata below names one HF tensor per parameter
+            raise ValueError(f"parameter {path!r} is stacked from {spec.stacked} checkpoint tensors "
+                             f"({spec.checkpoint!r}); Orbax conversion of stacked parameters (MoE "
+                             "experts) is not implemented")
         _set(tree, path, held_layout(reader.read(spec.checkpoint), spec))
         params[path] = {"checkpoint": spec.checkpoint, "transpose": spec.transpose,
                         "rows": spec.rows, "axes": list(spec.axes),

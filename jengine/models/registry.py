@@ -11,7 +11,8 @@ from typing import Any, Mapping
 
 from jengine.models.family import ModelFamily
 
-FAMILY_MODULES = ("jengine.models.llama", "jengine.models.qwen2", "jengine.models.qwen3")
+FAMILY_MODULES = ("jengine.models.llama", "jengine.models.qwen2", "jengine.models.qwen3",
+                  "jengine.models.qwen3_moe")
 
 _FAMILIES: dict[str, ModelFamily] = {}
 

@@ -16,7 +16,7 @@ class SwiGLU(nnx.Module):
                 "down_proj": Linear.specs(i, h, ("down_mlp", "down_embed"), bias=False,
                                           dtype=dtype)}
 
-    def __init__(self, specs: dict, source):
+    def __init__(self, cfg, specs: dict, source):
         self.gate_proj = Linear(specs["gate_proj"], source)
         self.up_proj = Linear(specs["up_proj"], source)
         self.down_proj = Linear(specs["down_proj"], source)

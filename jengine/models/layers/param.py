@@ -39,11 +39,30 @@ class ParamSpec:
     checkpoint: str = ""            # HF tensor name (the family's name map fills it in)
     transpose: bool = False         # stored [out, in]; held [in, out] so a leaf computes x @ w
     rows: int | None = None         # keep the first `rows` stored rows (a tied head, split vocab)
+    # A stack of this many checkpoint tensors along a new leading axis (a MoE layer's experts,
+    # stored one tensor per expert): `checkpoint` is then a pattern with "{}" for the index, and
+    # `transpose` / `rows` apply to each tensor.
+    stacked: int = 0
 
     def __post_init__(self) -> None:
         if len(self.axes) != len(self.shape):
             raise ValueError(f"ParamSpec {self.checkpoint!r}: axes {self.axes} name "
                              f"{len(self.axes)} dims but shape {self.shape} has {len(self.shape)}")
+        if self.stacked and self.shape[0] != self.stacked:
+            raise ValueError(f"ParamSpec {self.checkpoint!r}: stacked={self.stacked} but the "
+                             f"leading dimension of shape {self.shape} is {self.shape[0]}")
+
+    @property
+    def checkpoint_names(self) -> tuple[str, ...]:
+        """Every checkpoint tensor this parameter is read from."""
+        if not self.stacked:
+            return (self.checkpoint,)
+        return tuple(self.checkpoint.format(i) for i in range(self.stacked))
+
+    def member(self, index: int) -> "ParamSpec":
+        """One tensor of a stacked parameter, as an ordinary spec."""
+        return replace(self, shape=self.shape[1:], axes=self.axes[1:],
+                       checkpoint=self.checkpoint.format(index), stacked=0)
 
     def named(self, checkpoint: str) -> "ParamSpec":
         return replace(self, checkpoint=checkpoint)
@@ -119,6 +138,21 @@ def held_layout(arr, spec: ParamSpec):
     return arr
 
 
+def read_held(reader: CheckpointReader, spec: ParamSpec):
+    """The parameter's tensor(s) from `reader`, in the held layout (`held_layout`); a stacked
+    parameter's members stacked on the leading axis."""
+    if not spec.stacked:
+        return held_layout(reader.read(spec.checkpoint), spec)
+    import jax
+    import jax.numpy as jnp
+
+    members = [held_layout(reader.read(m.checkpoint), m)
+               for m in (spec.member(i) for i in range(spec.stacked))]
+    if any(isinstance(m, jax.Array) for m in members):
+        return jnp.stack(members)
+    return np.stack(members)
+
+
 class CheckpointSource:
     """Fills each spec from `reader`, one tensor at a time. `placement` (None: the default device)
     gives each parameter's sharding from its spec (its logical axes under the launch's rules)."""
@@ -129,7 +163,7 @@ class CheckpointSource:
     def place(self, spec: ParamSpec):
         import jax
 
-        arr = held_layout(self.reader.read(spec.checkpoint), spec)
+        arr = read_held(self.reader, spec)
         sharding = None if self.placement is None else self.placement(spec)
         return jax.device_put(arr, sharding).astype(spec.dtype)
 
@@ -163,7 +197,14 @@ class OverlaySource:
         self._current = current
 
     def place(self, spec: ParamSpec):
-        return self._read.place(spec) if spec.checkpoint in self.names else self._current[spec]
+        named = [n for n in spec.checkpoint_names if n in self.names]
+        if not named:
+            return self._current[spec]
+        if len(named) != len(spec.checkpoint_names):
+            raise ValueError(f"the update names {len(named)} of the {len(spec.checkpoint_names)} "
+                             f"tensors {spec.checkpoint!r} is stacked from (e.g. {named[0]!r}); a "
+                             "stacked parameter is replaced whole: send all of them")
+        return self._read.place(spec)
 
 
 class PlacedSource:

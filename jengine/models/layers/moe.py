@@ -1,0 +1,102 @@
+"""A sparse MoE block (Qwen3-MoE's `Qwen3MoeSparseMoeBlock`): a router, stacked SwiGLU experts and
+the slot-order combine.
+
+    router logits = gemm(x, router)                 model dtype, as HF's bf16 F.linear
+    ids, weights  = router_topk(logits as f32, k)   the ("moe", "router_topk") plan
+    weights       -> model dtype                     HF: router_top_value.to(router_logits.dtype)
+    y_e           = down_e(silu(gate_e(x)) * up_e(x))   every expert, every row
+    out           = sum over slots s = 0..k-1 of (y_{ids[s]} * weights[s]), in f32, rounded once
+
+Every expert runs on every token row (dense compute, T x E) and each token then takes its k
+experts' rows. That costs E/k times the routed FLOPs, and buys the property the spec asks of
+expert GEMMs for free: an expert's GEMM always has the step's T rows, whatever the routing, so a
+row's bits never depend on how many tokens an expert got, and the block is batch invariant exactly
+when its GEMM and router leaves are. A gathered form (a static per-expert capacity) or a grouped
+GEMM is the faster successor; it must keep these bits.
+
+Where the routing weight scales: after down_proj, one rounding to the model dtype, as HF's eager
+`Qwen3MoeExperts.forward` does. The spec's trainer form (the weight applied inside the activation,
+before down_proj, as a grouped-MLP trainer does) is not implemented.
+
+The combine: `--moe-combine-order slot` folds a token's k scaled outputs in f32 in slot order, one
+rounding. On one device `rank` has a single rank's partial, which is the same fold, so both give the
+same bits here; they differ only once experts are split over ranks (expert parallelism, not built).
+HF differs in summation order: eager adds the k terms in ascending EXPERT id into a running sum in
+the model dtype (a rounding per add); the default `grouped_mm` path sums slots in f32 with four
+interleaved accumulators (`(((w0+w4)+(w1+w5))+(w2+w6))+(w3+w7)` for k = 8, reference notes 5.4).
+Neither is slot order, so against stock HF the combine agrees within rounding, not bitwise; trainer
+mode must route HF's combine through this fold for bitwise agreement (not done here).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jengine.models.layers.linear import Linear
+from jengine.models.layers.param import ParamSpec
+
+
+class SparseMoE(nnx.Module):
+    @staticmethod
+    def specs(cfg, *, dtype) -> dict[str, dict]:
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+
+        def experts(shape, axes):  # stored one [out, in] tensor per expert, held [E, in, out]
+            return ParamSpec(shape, dtype, axes, transpose=True, stacked=e)
+
+        return {"gate": Linear.specs(h, e, ("embed", "router_expert"), bias=False, dtype=dtype),
+                "experts": {"gate_proj": experts((e, h, i), ("expert", "embed", "expert_mlp")),
+                            "up_proj": experts((e, h, i), ("expert", "embed", "expert_mlp")),
+                            "down_proj": experts((e, i, h), ("expert", "expert_mlp", "embed"))}}
+
+    def __init__(self, cfg, specs: dict, source):
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.gate = Linear(specs["gate"], source)
+        self.experts = _Experts(specs["experts"], source)
+
+    def __call__(self, kern, x, *, dtype, tp=None):
+        """x [T, H] -> [T, H] in `dtype`. kern: the MoE body's kernel set (router_topk plan)."""
+        if tp is not None:
+            raise ValueError("tensor parallelism of a MoE block is not implemented (MoE TP = 1; "
+                             "expert parallelism is issue #18's later part)")
+        ids, weights = self.route(kern, x, dtype=dtype)
+        per_expert = self.experts(kern, x, dtype=dtype)          # [E, T, H]
+        rows = jnp.arange(x.shape[0])[:, None]
+        selected = per_expert[ids, rows]                        # [T, k, H]: slot s = expert ids[:, s]
+        scaled = selected * weights[:, :, None]                 # rounded to dtype, as HF
+        return slot_order_sum(scaled).astype(dtype)
+
+    def route(self, kern, x, *, dtype):
+        """(expert ids int32[T, k], routing weights [T, k] in `dtype`) for the rows of x."""
+        logits = self.gate(kern, x, out_dtype=dtype)
+        ids, weights = kern.router_topk(logits.astype(jnp.float32), k=self.top_k,
+                                        norm_topk_prob=self.norm_topk_prob)
+        return ids, weights.astype(dtype)
+
+
+def slot_order_sum(terms):
+    """[T, k, H] -> f32 [T, H]: terms widened to f32 and added in slot order 0, 1, ..., k-1."""
+    acc = terms[:, 0].astype(jnp.float32)
+    for s in range(1, terms.shape[1]):
+        acc = acc + terms[:, s].astype(jnp.float32)
+    return acc
+
+
+class _Experts(nnx.Module):
+    """Stacked SwiGLU experts: gate_proj, up_proj [E, H, I] and down_proj [E, I, H]."""
+
+    def __init__(self, specs: dict, source):
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            setattr(self, name, nnx.Param(source.place(specs[name])))
+
+    def __call__(self, kern, x, *, dtype):
+        """Every expert on every row: [E, T, H]. The gate/up projections of all experts are one
+        grouped GEMM where the leaf has one; each output keeps the bits of its own gemm call."""
+        gate_w, up_w, down_w = self.gate_proj[...], self.up_proj[...], self.down_proj[...]
+        n = gate_w.shape[0]
+        projections = kern.gemm_group(x, tuple(gate_w[e] for e in range(n))
+                                      + tuple(up_w[e] for e in range(n)), None, out_dtype=dtype)
+        return jnp.stack([kern.gemm(kern.silu(projections[e]) * projections[n + e], down_w[e],
+                                    None, out_dtype=dtype) for e in range(n)])

@@ -1,0 +1,76 @@
+"""The decoder body of the MoE families (Qwen3-MoE): the dense body (jengine/models/dense.py) with a
+sparse MoE block (jengine/models/layers/moe.py) as the MLP of its sparse layers, and the router's
+kernel plan next to the dense plans.
+
+A layer is sparse when HF's `Qwen3MoeDecoderLayer` makes it so: not in `mlp_only_layers`, and
+`(layer + 1) % decoder_sparse_step == 0`; the others keep the dense SwiGLU of width
+intermediate_size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+from jengine.models import dense
+from jengine.models.family import MoEOptions
+from jengine.models.layers.mlp import SwiGLU
+from jengine.models.layers.moe import SparseMoE
+from jengine.models.layers.param import ParamSpec
+from pallas_kernels.registry import KernelPlan, KernelPlanError, plan
+
+kv_cache_spec = dense.kv_cache_spec
+
+
+def moe_mlp(cfg, layer: int):
+    """HF Qwen3MoeDecoderLayer's rule for which layers route to experts."""
+    sparse = layer not in cfg.mlp_only_layers and (layer + 1) % cfg.decoder_sparse_step == 0
+    return SparseMoE if sparse else SwiGLU
+
+
+@dataclass(frozen=True)
+class ModelKernels(dense.ModelKernels):
+    """The dense plans, the router's top-k plan and the combine order of the launch."""
+
+    router_topk: KernelPlan
+    combine_order: str  # "slot" / "rank": the same fold on one device (jengine/models/layers/moe.py)
+
+    @classmethod
+    def plan_for(cls, *, dtype, hardware: str, features=frozenset(), head_dim: int | None = None,
+                 moe: MoEOptions = MoEOptions()) -> "ModelKernels":
+        base = dense.ModelKernels.plan_for(dtype=dtype, hardware=hardware, features=features,
+                                           head_dim=head_dim)
+        if moe.combine_order not in ("rank", "slot"):
+            raise ValueError(f"moe_combine_order={moe.combine_order!r} must be 'rank' or 'slot'")
+        impl = None if moe.router_topk == "auto" else moe.router_topk
+        try:
+            # The router's logits are widened to f32 whatever the model dtype (HF: softmax in float).
+            router = plan("moe", "router_topk", formats={"f32"}, hardware=hardware,
+                          features=features, impl=impl)
+        except KernelPlanError as exc:
+            raise KernelPlanError(f"--router-topk {moe.router_topk}: no eligible leaf of "
+                                  f"moe.router_topk ({exc})") from None
+        return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+                   router_topk=router, combine_order=moe.combine_order)
+
+    def describe(self) -> dict[str, str]:
+        return {f.name: (self.combine_order if f.name == "combine_order"
+                         else getattr(self, f.name).leaf.impl) for f in dataclasses.fields(self)}
+
+
+def param_specs(cfg, *, dtype, checkpoint_name: Callable[[str], str]) -> dict[str, ParamSpec]:
+    return dense.param_specs(cfg, dtype=dtype, checkpoint_name=checkpoint_name, mlp_for=moe_mlp)
+
+
+class MoEDecoder(dense.DenseDecoder):
+    mlp_for = staticmethod(moe_mlp)
+
+    def __init__(self, cfg, specs, source, *, tensor_parallel=None, **options):
+        if tensor_parallel is not None:
+            raise ValueError(f"{cfg.architecture}: tensor parallelism of MoE models is not "
+                             "implemented (launch with --tp-size 1)")
+        super().__init__(cfg, specs, source, **options)
+
+
+Model = MoEDecoder

@@ -1,0 +1,74 @@
+"""Qwen3MoeForCausalLM: Qwen3's attention (per-head q/k RMSNorm) with sparse MoE layers
+(jengine/models/moe_decoder.py): a softmax router choosing `num_experts_per_tok` of `num_experts`
+SwiGLU experts of width `moe_intermediate_size`, the chosen probabilities renormalised when
+`norm_topk_prob`.
+
+transformers 5.x holds a layer's experts fused (`mlp.experts.gate_up_proj` [E, 2I, H],
+`mlp.experts.down_proj` [E, H, I]) but `save_pretrained` writes them one tensor per expert
+(`mlp.experts.{e}.gate_proj.weight`, ...), as 4.x did and as released checkpoints are; that is what
+this family reads (stacked on load, ParamSpec.stacked). A checkpoint in the fused layout is not read.
+"""
+
+from __future__ import annotations
+
+import re
+
+from jengine.models.family import ModelFamily, ModelProfile, hf_decoder_name
+
+ARCHITECTURE = "Qwen3MoeForCausalLM"
+
+_EXPERT_PARAM = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
+
+
+def _int_field(d, name: str, default: int, *, minimum: int) -> int:
+    value = d.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum} for {ARCHITECTURE}")
+    return value
+
+
+def parse_config(d) -> dict:
+    hidden_act = d.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ValueError(f"hidden_act={hidden_act!r} is not supported (supported: 'silu')")
+    if d.get("use_sliding_window"):
+        raise ValueError("use_sliding_window=True is not supported (sliding-window attention is "
+                         f"not implemented; sliding_window={d.get('sliding_window')!r})")
+    # transformers 5 writes num_local_experts (its attribute_map's name for num_experts).
+    experts = d.get("num_experts", d.get("num_local_experts"))
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
+        raise ValueError(f"num_experts={experts!r} must be a positive integer for {ARCHITECTURE}")
+    top_k = _int_field(d, "num_experts_per_tok", 8, minimum=1)
+    if top_k > experts:
+        raise ValueError(f"num_experts_per_tok={top_k} exceeds num_experts={experts}")
+    mlp_only = d.get("mlp_only_layers") or []
+    if not isinstance(mlp_only, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in mlp_only):
+        raise ValueError(f"mlp_only_layers={mlp_only!r} must be a list of layer indices")
+    for name in ("kv_lora_rank", "q_lora_rank", "shared_expert_intermediate_size"):
+        if d.get(name):
+            raise ValueError(f"{name}={d[name]!r} is not supported for {ARCHITECTURE}")
+    bias = bool(d.get("attention_bias") or False)
+    return dict(attention_bias=bias, attention_output_bias=bias, qk_norm=True,
+                num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=_int_field(d, "moe_intermediate_size", 0, minimum=1),
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                decoder_sparse_step=_int_field(d, "decoder_sparse_step", 1, minimum=1),
+                mlp_only_layers=tuple(mlp_only))
+
+
+def checkpoint_name(cfg, path: str) -> str:
+    """HF names; a layer's stacked expert weights name their per-expert tensors ("{}" = expert)."""
+    m = _EXPERT_PARAM.match(path)
+    if m:
+        return f"model.{m.group(1)}.{{}}.{m.group(2)}.weight"
+    return hf_decoder_name(cfg, path)
+
+
+# Not rl-bitwise yet: the router's torch tie-order leaf, trainer mode's routing of HF's MoE path and
+# the invariance / alignment harnesses on this family are still to come (issue #18).
+EntryClass = ModelFamily(
+    architecture=ARCHITECTURE, model_type="qwen3_moe",
+    profile=ModelProfile(ARCHITECTURE, frozenset(),
+                         "sparse MoE (softmax router, top-k SwiGLU experts); Qwen3 attention"),
+    parse_config=parse_config, checkpoint_name=checkpoint_name, body="jengine.models.moe_decoder")

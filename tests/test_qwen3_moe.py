@@ -1,0 +1,174 @@
+"""Qwen3MoeForCausalLM (issue #18, one device) against HF transformers' eager forward, the MoE launch
+rules, and the MoE block's batch invariance.
+
+One tiny random checkpoint (interop.testing: 8 experts, top-2, moe_intermediate_size 32, hidden 64,
+2 layers, vocab 32768), written by transformers' save_pretrained (one tensor per expert).
+
+Tolerances against HF eager (attention and experts both eager): fp32 1e-4 (whole-model bound of
+tests/test_models_hf.py; reduction orders differ). bf16: HF adds a token's expert outputs in
+ascending expert id into a bf16 running sum (a rounding per add) where we fold the slots in f32 and
+round once, on top of the dense body's per-op rounding drift; we bound the logits' difference by
+0.125 absolute on logits of magnitude < 8 (4 bf16 ulps there) and require the top-1 token to agree
+where HF's margin exceeds 0.25.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from interop.testing import make_tiny_hf_model  # noqa: E402
+from jengine.config import LaunchConfig, LaunchRefusal  # noqa: E402
+from jengine.engine.engine import Engine  # noqa: E402
+from jengine.engine.model_runner import ModelRunner  # noqa: E402
+from jengine.launch import plan_launch  # noqa: E402
+from jengine.models import load_model  # noqa: E402
+from jengine.models.layers.moe import SparseMoE  # noqa: E402
+from jengine.models.layers.param import RandomSource  # noqa: E402
+from jengine.models.moe_decoder import ModelKernels  # noqa: E402
+from jengine.numerics import NumericsRefusal, resolve_launch  # noqa: E402
+from pallas_kernels.fixed_order import sequential_dot  # noqa: E402
+from pallas_kernels.registry import REGISTRY, KernelPlanError  # noqa: E402
+from tests.test_models_hf import _greedy, _prefill_logits  # noqa: E402
+
+ARCH = "Qwen3MoeForCausalLM"
+RUNNER_LAUNCH = dict(page_size=4, max_total_tokens=2048, max_prefill_tokens=64,
+                     max_running_requests=4)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("qwen3-moe"), ARCH)
+
+
+@pytest.fixture(scope="module")
+def loaded(moe_dir):
+    return load_model(str(moe_dir), progress=False)
+
+
+def _plan(moe_dir, loaded, **launch):
+    resolved = resolve_launch(LaunchConfig(model_path=str(moe_dir), **RUNNER_LAUNCH, **launch),
+                              hardware="cpu")
+    return plan_launch(resolved, loaded.config)
+
+
+def _hf_and_ours(moe_dir, loaded, dtype, seed):
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(moe_dir), dtype=getattr(torch, dtype), attn_implementation="eager",
+        experts_implementation="eager").eval()
+    runner = ModelRunner(loaded.config, loaded.checkpoint,
+                         _plan(moe_dir, loaded, dtype=dtype).runner)
+    ids = np.random.default_rng(seed).integers(0, 32768, size=24)
+    with torch.no_grad():
+        ref = model(torch.tensor(ids)[None]).logits[0].float().numpy()
+    return model, runner, ids, _prefill_logits(runner, ids), ref
+
+
+def test_config_reads_the_moe_fields(loaded):
+    cfg = loaded.config
+    assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok) == (ARCH, 8, 2)
+    assert (cfg.moe_intermediate_size, cfg.norm_topk_prob, cfg.decoder_sparse_step) == (32, True, 1)
+    assert cfg.mlp_only_layers == ()
+
+
+def test_fp32_logits_and_greedy_match_hf(moe_dir, loaded):
+    model, runner, ids, ours, ref = _hf_and_ours(moe_dir, loaded, "float32", seed=1)
+    assert runner.kernels.describe()["router_topk"] == "stable"
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
+    prompt = ids[:8]
+    with torch.no_grad():
+        hf = model.generate(torch.tensor(prompt)[None], max_new_tokens=12, do_sample=False,
+                            min_new_tokens=12)[0, len(prompt):].tolist()
+    assert _greedy(runner, prompt, 12) == hf
+
+
+def test_bf16_logits_close_to_hf(moe_dir, loaded):
+    _, _, _, ours, ref = _hf_and_ours(moe_dir, loaded, "bfloat16", seed=2)
+    assert np.abs(ref).max() < 8
+    assert np.abs(ours - ref).max() <= 0.125
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 0.25
+    assert clear.any()
+    assert (ours.argmax(-1) == ref.argmax(-1))[clear].all()
+
+
+def test_engine_generates_under_auto(moe_dir):
+    with Engine(model_path=str(moe_dir), dtype="float32", max_total_tokens=1024,
+                max_prefill_tokens=64, max_running_requests=4, skip_warmup=True,
+                moe_combine_order="slot") as engine:
+        outs = engine.generate(input_ids=[[11, 22, 33, 44], [5, 6, 7]],
+                               sampling_params={"max_new_tokens": 6, "temperature": 0,
+                                                "ignore_eos": True})
+    assert [len(o["output_ids"]) for o in outs] == [6, 6]
+
+
+def test_rl_bitwise_is_refused_until_the_family_is_verified(moe_dir, loaded):
+    with pytest.raises(NumericsRefusal, match=f"{ARCH}.*numerics_envelopes"):
+        _plan(moe_dir, loaded, numerics="rl-bitwise")
+
+
+def test_router_topk_torch_plans_the_torch_leaf_or_refuses(moe_dir, loaded):
+    plan = _plan(moe_dir, loaded, router_topk="torch")
+    assert plan.model.moe.router_topk == "torch"
+    if any(leaf.impl == "torch" for leaf in REGISTRY.leaves("moe", "router_topk")):
+        kernels = ModelKernels.plan_for(dtype=jnp.float32, hardware="cpu", moe=plan.model.moe)
+        assert kernels.router_topk.leaf.impl == "torch"
+    else:
+        with pytest.raises(KernelPlanError, match="--router-topk torch.*not the requested"):
+            ModelKernels.plan_for(dtype=jnp.float32, hardware="cpu", moe=plan.model.moe)
+
+
+def test_unbuilt_moe_switches_are_refused(moe_dir, loaded):
+    with pytest.raises(LaunchRefusal, match="--enable-eplb True has no effect.*not implemented"):
+        _plan(moe_dir, loaded, enable_eplb=True)
+    with pytest.raises(LaunchRefusal, match="--moe-backend batch_invariant has no effect"):
+        _plan(moe_dir, loaded, moe_backend="batch_invariant")
+
+
+def _row_count_gemm(x, w, bias=None, *, out_dtype):
+    """The control: a GEMM that switches tactic with the row count (above 16 rows, two K halves
+    each rounded to bf16, as a vendor GEMM's reduced-precision split-K), as XLA's dot does on the
+    GPU; on the CPU, under the test session's flags, XLA's dot happens to be row-invariant here."""
+    if x.shape[0] <= 16:
+        return sequential_dot(x, w, bias).astype(out_dtype)
+    k = x.shape[1] // 2
+    acc = (sequential_dot(x[:, :k], w[:k]).astype(jnp.bfloat16).astype(jnp.float32)
+           + sequential_dot(x[:, k:], w[k:]).astype(jnp.bfloat16).astype(jnp.float32))
+    return (acc if bias is None else acc + bias.astype(jnp.float32)).astype(out_dtype)
+
+
+def _with_gemm(kernels, gemm):
+    def group(x, ws, biases=None, *, out_dtype):
+        return tuple(gemm(x, w, out_dtype=out_dtype) for w in ws)
+
+    def swap(p, fn):
+        return dataclasses.replace(p, leaf=dataclasses.replace(p.leaf, fn=fn))
+
+    return dataclasses.replace(kernels, gemm=swap(kernels.gemm, gemm),
+                               gemm_group=swap(kernels.gemm_group, group))
+
+
+def _rows_alone_vs_batched(cfg, kernels):
+    """How many output elements of an 18-row MoE block call differ from each row run alone."""
+    block = SparseMoE(cfg, SparseMoE.specs(cfg, dtype=jnp.bfloat16), RandomSource(0))
+    run = jax.jit(lambda x: block(kernels, x, dtype=jnp.bfloat16))
+    x = jax.random.normal(jax.random.key(1), (18, cfg.hidden_size)).astype(jnp.bfloat16)
+    batched = np.asarray(run(x)).view(np.uint16)
+    alone = np.stack([np.asarray(run(x[i:i + 1]))[0].view(np.uint16) for i in range(18)])
+    return int((batched != alone).sum())
+
+
+def test_moe_block_rows_are_batch_invariant(loaded):
+    """Under the stable router and fixed-order GEMMs a row's output bits do not depend on the
+    17 other rows; a GEMM that changes tactic with the row count (the control) moves them."""
+    kernels = ModelKernels.plan_for(dtype=jnp.bfloat16, hardware="cpu",
+                                    features=frozenset({"batch_invariant"}))
+    assert (kernels.gemm.leaf.impl, kernels.router_topk.leaf.impl) == ("fixed_order", "stable")
+    assert _rows_alone_vs_batched(loaded.config, kernels) == 0
+    assert _rows_alone_vs_batched(loaded.config, _with_gemm(kernels, _row_count_gemm)) > 0
