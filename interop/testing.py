@@ -43,6 +43,8 @@ def _config(architecture: str, eos_token_id: int, pad_token_id: int, vocab_size:
     rope = {"rope_type": "default", "rope_theta": theta}
     if "rope_parameters" in overrides:
         rope = {**overrides.pop("rope_parameters"), "rope_theta": theta}
+    for name in [n for n in overrides if n in extra]:  # a family field (num_experts_per_tok, ...)
+        extra[name] = overrides.pop(name)
     dims.update(overrides)
     cls = {"LlamaForCausalLM": transformers.LlamaConfig, "Qwen2ForCausalLM": transformers.Qwen2Config,
            "Qwen3ForCausalLM": transformers.Qwen3Config,

@@ -133,9 +133,9 @@ class LaunchRefusal(ValueError):
 
 
 # Parallel sizes not implemented yet: a larger one would be accepted and silently served without it.
-# (--tp-size and --dp-size are served: jengine/engine/model_runner.py, jengine/server/replicas.py;
-# docs/parallelism.md.)
-PARALLEL_SIZES = ("ep_size", "moe_tp_size")
+# (--tp-size, --ep-size and --dp-size are served: jengine/engine/model_runner.py,
+# jengine/server/replicas.py; docs/parallelism.md.)
+PARALLEL_SIZES = ("moe_tp_size",)
 
 
 def refuse_inert_options(cfg: LaunchConfig) -> None:
@@ -144,7 +144,8 @@ def refuse_inert_options(cfg: LaunchConfig) -> None:
         value = getattr(cfg, name)
         if value != 1:
             raise LaunchRefusal(f"--{name.replace('_', '-')} {value}: not implemented yet (only "
-                                "--tp-size and --dp-size may be larger than 1; docs/parallelism.md)")
+                                "--tp-size, --ep-size and --dp-size may be larger than 1; "
+                                "docs/parallelism.md)")
     if cfg.quantization not in (None, "", "none"):
         raise LaunchRefusal(f"--quantization {cfg.quantization}: jengine has no quantized "
                             "execution; the weights run in --dtype")

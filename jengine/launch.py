@@ -73,6 +73,7 @@ class RunnerConfig:
     # The logprob order's block width (None: the whole row, "torch"): under TP the LM head is padded
     # so each rank holds whole blocks, and the step scores without gathering logits.
     logprob_block_width: int | None = None
+    ep_size: int = 1                           # the "expert" mesh axis (MoE families)
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,9 @@ def plan_launch(resolved: ResolvedLaunch, model_config: Any) -> LaunchPlan:
     check_model(resolved, model_config)
     refuse_inert_switches(resolved, model_config)
     launch = resolved.config
+    if launch.ep_size > 1 and not _is_moe(model_config, launch):
+        raise LaunchRefusal(f"--ep-size {launch.ep_size} has no effect on "
+                            f"{model_config.architecture}: it splits a MoE model's experts")
     model = ModelOptions(
         dtype=model_dtype_name(launch.dtype, model_config.torch_dtype),
         hardware=resolved.hardware, required_features=frozenset(resolved.required_features),
@@ -195,7 +199,8 @@ def plan_launch(resolved: ResolvedLaunch, model_config: Any) -> LaunchPlan:
                             tp_size=launch.tp_size,
                             batch_invariant_collectives=bool(launch.batch_invariant_collectives),
                             tp_batch_invariant=launch.tp_batch_invariant,
-                            logprob_block_width=LOGPROB_ORDERS[launch.logprob_order][0]),
+                            logprob_block_width=LOGPROB_ORDERS[launch.logprob_order][0],
+                            ep_size=launch.ep_size),
         scheduler=scheduler,
         sampler=SamplerOptions(logprob_order=launch.logprob_order, hardware=resolved.hardware,
                                required_features=frozenset(resolved.required_features)),

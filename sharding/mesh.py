@@ -74,19 +74,23 @@ def make_mesh(tp: int = 1, dp: int = 1, ep: int = 1, devices: Sequence | None = 
                          devices=available[: shape.num_devices])
 
 
-def replica_devices(dp: int, tp: int, replica: int, devices: Sequence | None = None) -> tuple:
-    """Data-parallel replica `replica`'s device group: devices [replica*tp, (replica+1)*tp) of
-    `devices` (default `jax.devices()`). Groups are disjoint, so each replica owns its weights and
-    KV pool, and a replica's tensor ranks stay consecutive (the fastest links on a GPU host)."""
+def replica_devices(dp: int, tp: int, replica: int, devices: Sequence | None = None, *,
+                    ep: int = 1) -> tuple:
+    """Data-parallel replica `replica`'s device group: its tp x ep devices, [replica*tp*ep,
+    (replica+1)*tp*ep) of `devices` (default `jax.devices()`). Groups are disjoint, so each replica
+    owns its weights and KV pool, and a replica's tensor ranks stay consecutive (the fastest links
+    on a GPU host)."""
     available = list(jax.devices() if devices is None else devices)
-    if dp * tp > len(available):
+    group = tp * ep
+    if dp * group > len(available):
+        sizes = f"--dp-size {dp} x --tp-size {tp}" + (f" x --ep-size {ep}" if ep > 1 else "")
         raise ValueError(
-            f"--dp-size {dp} x --tp-size {tp} needs {dp * tp} devices but {len(available)} are "
+            f"{sizes} needs {dp * group} devices but {len(available)} are "
             "visible (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before jax "
             "starts)")
     if not 0 <= replica < dp:
         raise ValueError(f"replica={replica} is not in [0, {dp}) (--dp-size {dp})")
-    return tuple(available[replica * tp:(replica + 1) * tp])
+    return tuple(available[replica * group:(replica + 1) * group])
 
 
 def use_mesh(mesh: Mesh):

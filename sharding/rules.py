@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sharding.mesh import DATA_AXIS, TENSOR_AXIS
+from sharding.mesh import DATA_AXIS, EXPERT_AXIS, TENSOR_AXIS
 
 MeshAxis = str | None  # a mesh axis name, or None = not split (every rank holds all of it)
 
@@ -23,7 +23,7 @@ LAYOUTS = ("replicated", "tensor_parallel", "tensor_parallel_attn", "tensor_para
 TP_BATCH_INVARIANT_LAYOUTS = {"off": "tensor_parallel", "attn": "tensor_parallel_attn",
                               "all": "tensor_parallel_all"}
 
-T = TENSOR_AXIS
+T, E = TENSOR_AXIS, EXPERT_AXIS
 # fmt: off
 RULES_TABLE: tuple[tuple[str, MeshAxis, MeshAxis, MeshAxis, MeshAxis], ...] = (
     # logical axis  replicated  tp (off)   tp attn    tp all      why
@@ -41,9 +41,10 @@ RULES_TABLE: tuple[tuple[str, MeshAxis, MeshAxis, MeshAxis, MeshAxis], ...] = (
     ("o_embed",     None,       None,      T,         T),         # o_proj's output (hidden)
     ("down_mlp",    None,       T,         T,         None),      # down_proj's input (mlp)
     ("down_embed",  None,       None,      None,      T),         # down_proj's output (hidden)
-    # MoE (issue #18): whole on every rank until expert parallelism splits "expert". MoE TP is 1
-    # (an expert's MLP width is never split); every rank scores every expert ("router_expert").
-    ("expert",        None,     None,      None,      None),      # stacked experts [E, ...]
+    # MoE (issue #18): --ep-size splits the stacked experts over the "expert" mesh axis (of size 1
+    # without it); MoE TP is 1 (an expert's MLP width is never split); every rank scores every
+    # expert ("router_expert").
+    ("expert",        E,        E,         E,         E),         # stacked experts [E, ...]
     ("expert_mlp",    None,     None,      None,      None),      # an expert's MLP width
     ("router_expert", None,     None,      None,      None),      # the router's output columns
 )

@@ -492,7 +492,7 @@ def _replica_devices(cfg: LaunchConfig, replica: int | None) -> tuple | None:
                             f"{cfg.dp_size} data-parallel replicas with `jengine serve --dp-size "
                             f"{cfg.dp_size}` (docs/serving.md)")
     try:
-        return replica_devices(cfg.dp_size, cfg.tp_size, replica)
+        return replica_devices(cfg.dp_size, cfg.tp_size, replica, ep=cfg.ep_size)
     except ValueError as exc:
         raise LaunchRefusal(str(exc)) from None
 

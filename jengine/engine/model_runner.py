@@ -44,6 +44,7 @@ from jengine.models.registry import get_family
 from pallas_kernels.fixed_order import next_pow2
 from sharding.mesh import make_mesh
 from sharding.rules import check_divisible, layout_for, logical_to_spec, param_placement, rules_for
+from sharding.expert_parallel import ExpertParallel
 from sharding.tensor_parallel import TensorParallel, head_padding, kv_head_replicas
 from sharding.vocab_parallel import make_vocab_parallel_head
 
@@ -71,26 +72,30 @@ class ModelRunner:
                                                 head_dim=model_config.head_dim,
                                                 moe=cfg.model.moe)
         logger.info("kernel plans: %s", self.kernels.describe())
-        self.mesh = self._placement = self._tp = self._device = self._home = None
+        self.mesh = self._placement = self._tp = self._ep = self._device = self._home = None
         self._kv_head_replicas = 1
-        if cfg.tp_size == 1 and devices is not None:
+        if cfg.tp_size == 1 and cfg.ep_size == 1 and devices is not None:
             # A replica's model is built on its own device (never staged on the default one),
             # then committed there.
             self._home = devices[0]
             self._device = SingleDeviceSharding(self._home)
-        if cfg.tp_size > 1:
-            self.mesh = make_mesh(tp=cfg.tp_size, devices=devices)
+        if cfg.tp_size > 1 or cfg.ep_size > 1:
+            self.mesh = make_mesh(tp=cfg.tp_size, ep=cfg.ep_size, devices=devices)
             self._rules = rules_for(layout_for(cfg.tp_size, cfg.tp_batch_invariant))
+        if cfg.ep_size > 1:
+            self._ep = ExpertParallel(cfg.ep_size)
+        if cfg.tp_size > 1:
             self._kv_head_replicas = kv_head_replicas(model_config.num_attention_heads,
                                                       model_config.num_key_value_heads,
                                                       cfg.tp_size)
             if self._kv_head_replicas > 1:
                 self._rules = self._rules.replicate_kv_heads()
-            self._placement = param_placement(self.mesh, self._rules)
             self._tp = TensorParallel(
                 cfg.tp_size, cfg.batch_invariant_collectives,
                 column_sites=frozenset(s for s in ("o", "down") if self._rules.column_parallel(s)),
                 kv_head_replicas=self._kv_head_replicas)
+        if self.mesh is not None:
+            self._placement = param_placement(self.mesh, self._rules)
         self._head_pad = 0 if self._tp is None else head_padding(
             model_config.vocab_size, cfg.tp_size, cfg.logprob_block_width)
         with jax.default_device(self._home):
@@ -122,7 +127,7 @@ class ModelRunner:
         self.max_step_tokens = cfg.max_step_tokens
 
         forward, logits_rows = self._forward_impl, self._logits_rows_impl
-        if self._tp is not None:
+        if self.mesh is not None:
             # One program per step over every rank: leaves see local arrays, never XLA's
             # partitioner. Specs are read off the placed arrays, so placement has one source.
             # check_vma=False: the leaves' loops (fixed-order GEMM, fori_loop carries) start from
@@ -145,8 +150,8 @@ class ModelRunner:
         if self.mesh is None:
             return self._device
         if not isinstance(kv_spec.layout, KVPages):
-            raise ValueError(f"tp_size={self._tp.size}: the KV pool layout {kv_spec.layout!r} has "
-                             "no tensor-parallel placement (only K/V pages do)")
+            raise ValueError(f"mesh {dict(self.mesh.shape)}: the KV pool layout "
+                             f"{kv_spec.layout!r} has no placement on it (only K/V pages do)")
         # [pages, page_size, kv_heads, head_dim]: split on kv_heads, like k_proj/v_proj's columns
         # -- or, under KV-head replication, one slot per rank (k/v_proj themselves are whole).
         axes = (None, None, "kv_heads", "head_dim")
@@ -178,6 +183,8 @@ class ModelRunner:
     def _build_model(self, weights):
         o = self.options
         tp = {} if self._tp is None else {"tensor_parallel": self._tp}
+        if self._ep is not None:
+            tp["expert_parallel"] = self._ep
         return self.family.build(self.model_config,
                                  weight_source(weights, placement=self._placement),
                                  dtype=self.dtype, kernels=self.kernels,
@@ -194,8 +201,14 @@ class ModelRunner:
 
     def parallelism(self) -> dict:
         """The mesh and how each projection is split (reported by /get_server_info)."""
-        if self._tp is None:
+        if self.mesh is None:
             return {"mesh": {"data": 1, "expert": 1, "tensor": 1}, "layout": "replicated"}
+        if self._tp is None:  # expert parallelism alone: the experts split, the rest whole
+            return {"mesh": {str(k): int(v) for k, v in self.mesh.shape.items()},
+                    "layout": self._rules.layout,
+                    "projections": {"experts": "expert-parallel (whole experts per rank; slot "
+                                               "outputs moved by an all-gather)",
+                                    "everything else": "replicated"}}
         site = {True: "column-parallel on hidden (all-gather of the input, full-K GEMM)",
                 False: "row-parallel (cross-rank sum: " + self._tp.row_sum_route.path + ")"}
         kv = ("column-parallel (KV heads split)" if self._kv_head_replicas == 1 else

@@ -66,11 +66,17 @@ def param_specs(cfg, *, dtype, checkpoint_name: Callable[[str], str]) -> dict[st
 class MoEDecoder(dense.DenseDecoder):
     mlp_for = staticmethod(moe_mlp)
 
-    def __init__(self, cfg, specs, source, *, tensor_parallel=None, **options):
+    def __init__(self, cfg, specs, source, *, tensor_parallel=None, expert_parallel=None,
+                 **options):
+        """expert_parallel: a sharding.expert_parallel.ExpertParallel when the forward runs as one
+        rank's shard inside shard_map with the experts split (--ep-size), else None."""
         if tensor_parallel is not None:
             raise ValueError(f"{cfg.architecture}: tensor parallelism of MoE models is not "
                              "implemented (launch with --tp-size 1)")
         super().__init__(cfg, specs, source, **options)
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.ep = expert_parallel
 
 
 Model = MoEDecoder

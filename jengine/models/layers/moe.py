@@ -20,7 +20,9 @@ before down_proj, as a grouped-MLP trainer does) is not implemented.
 
 The combine: `--moe-combine-order slot` folds a token's k scaled outputs in f32 in slot order, one
 rounding. On one device `rank` has a single rank's partial, which is the same fold, so both give the
-same bits here; they differ only once experts are split over ranks (expert parallelism, not built).
+same bits here; under --ep-size, `slot` moves each slot's output from its owner and folds exactly as
+on one device (EP-size invariant), while `rank` folds per-rank partials in rank order
+(sharding/expert_parallel.py).
 HF differs in summation order: eager adds the k terms in ascending EXPERT id into a running sum in
 the model dtype (a rounding per add); the default `grouped_mm` path sums slots in f32 with four
 interleaved accumulators (`(((w0+w4)+(w1+w5))+(w2+w6))+(w3+w7)` for k = 8, reference notes 5.4).
@@ -55,6 +57,8 @@ class SparseMoE(nnx.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.gate = Linear(specs["gate"], source)
         self.experts = _Experts(specs["experts"], source)
+        # sharding.expert_parallel.ExpertParallel under --ep-size (set by the MoE body), else None
+        self.ep = None
 
     def __call__(self, kern, x, *, dtype, tp=None):
         """x [T, H] -> [T, H] in `dtype`. kern: the MoE body's kernel set (router_topk plan)."""
@@ -62,9 +66,15 @@ class SparseMoE(nnx.Module):
             raise ValueError("tensor parallelism of a MoE block is not implemented (MoE TP = 1; "
                              "expert parallelism is issue #18's later part)")
         ids, weights = self.route(kern, x, dtype=dtype)
-        per_expert = self.experts(kern, x, dtype=dtype)          # [E, T, H]
-        rows = jnp.arange(x.shape[0])[:, None]
-        selected = per_expert[ids, rows]                        # [T, k, H]: slot s = expert ids[:, s]
+        per_expert = self.experts(kern, x, dtype=dtype)          # [E (this rank's), T, H]
+        if self.ep is not None and kern.combine_order == "rank":
+            return self.ep.rank_combine(per_expert, ids,
+                                        lambda out: out * weights[:, :, None]).astype(dtype)
+        if self.ep is None:
+            rows = jnp.arange(x.shape[0])[:, None]
+            selected = per_expert[ids, rows]                    # [T, k, H]: slot s = expert ids[:, s]
+        else:  # the same [T, k, H], moved from the experts' owners (bytes only)
+            selected = self.ep.slot_outputs(per_expert, ids)
         scaled = selected * weights[:, :, None]                 # rounded to dtype, as HF
         return slot_order_sum(scaled).astype(dtype)
 

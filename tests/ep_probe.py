@@ -1,0 +1,76 @@
+"""Expert parallelism on 8 fake CPU devices, measured and printed as one JSON object.
+
+Run by tests/test_expert_parallel.py in a subprocess. A tiny random Qwen3-MoE (8 experts, top-2)
+in float32 under the rl-bitwise kernel plans (fixed-order GEMMs, the stable router leaf: the torch tie-order
+leaf is planned by launches that pin it) at EP 1, 2, 4 and 8: teacher-forced logits of two prompts,
+alone and packed; and `--moe-combine-order rank` at EP4 against slot at EP1. Every entry is a measurement; the assertions live in the test.
+"""
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from interop.testing import make_tiny_hf_model  # noqa: E402
+from jengine.config import LaunchConfig  # noqa: E402
+from jengine.engine.model_runner import ModelRunner  # noqa: E402
+from jengine.launch import plan_launch  # noqa: E402
+from jengine.models import load_model  # noqa: E402
+from jengine.models.family import MoEOptions  # noqa: E402
+from jengine.numerics import resolve_launch  # noqa: E402
+from jengine.profiles import override_profile  # noqa: E402
+from tests.tp_probe import differing, logits_of  # noqa: E402
+
+ARCH = "Qwen3MoeForCausalLM"
+OPTIONS = dict(max_total_tokens=512, chunked_prefill_size=32, max_prefill_tokens=64,
+               max_running_requests=4, skip_warmup=True)
+rng = np.random.default_rng(1)
+PROMPT_A = rng.integers(1, 32768, 11).tolist()
+PROMPT_B = rng.integers(1, 32768, 17).tolist()
+
+
+def main():
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp, override_profile(ARCH,
+                                                                numerics_envelopes={"rl-bitwise"}):
+        # top-4: with two slots any fold is one commutative add, so `rank` could not differ
+        loaded = load_model(str(make_tiny_hf_model(Path(tmp) / "moe", ARCH, seed=5,
+                                                   num_experts_per_tok=4)), progress=False)
+        # float32: a different fp32 association (the `rank` control) would mostly vanish in a bf16
+        # rounding of the layer output
+        resolved = resolve_launch(LaunchConfig(numerics="rl-bitwise", dtype="float32", **OPTIONS),
+                                  hardware="cpu", probe_xla_flags=False)
+        plan = plan_launch(resolved, loaded.config)
+        base = None
+        for combine, sizes in (("slot", (1, 2, 4, 8)), ("rank", (4,))):
+            model = dataclasses.replace(plan.runner.model,
+                                        moe=MoEOptions(router_topk="stable", combine_order=combine))
+            for ep in sizes:
+                runner = ModelRunner(loaded.config, loaded.checkpoint,
+                                     dataclasses.replace(plan.runner, model=model, ep_size=ep))
+                alone = logits_of(runner, [PROMPT_A])[0]
+                packed = logits_of(runner, [PROMPT_B, PROMPT_A])[1]
+                base = alone if base is None else base
+                entry = {"differing_vs_ep1": differing(alone, base),
+                         "batch_differing": differing(alone, packed),
+                         "elements": int(alone.size)}
+                if ep == 4:
+                    expert = runner._model(runner._params).named_parameters()[
+                        "layers.0.mlp.experts.gate_proj"]
+                    entry["expert_weight_spec"] = str(expert.sharding.spec)
+                    entry["expert_weight_local_experts"] = int(
+                        expert.addressable_shards[0].data.shape[0])
+                    entry["parallelism"] = runner.parallelism()
+                out[f"{combine}_ep{ep}"] = entry
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
