@@ -15,7 +15,12 @@ the dense-causal attention leaf's twin with transformers' ``AttentionInterface``
 ``ATTENTION_NAME``, selects it on the model, and replaces the rotary ``inv_freq`` with the
 engine's own (jengine.models.layers.rope: HF's formula as torch evaluates it, with XLA's pow; HF
 computed it at load time with torch's pow), as a float32 buffer (``model.to(torch.bfloat16)``
-rounds HF's to bf16). Leaving the context restores the model and the dispatcher.
+rounds HF's to bf16). MoE routers are replaced at the module level too: the forward of every router
+module in ``TORCH_TOPK_ROUTERS`` (transformers' ``Qwen3MoeTopKRouter``: fp32 softmax, ``torch.topk``
+sorted, optional ``/ sum``) runs its gate GEMM as before (``F.linear``, routed to the GEMM twin)
+and then the twin of the ("moe", "router_topk") leaf with PyTorch CUDA's tie order, the leaf
+``--router-topk torch`` plans in the engine; nothing else's ``topk`` or ``softmax`` is touched.
+Leaving the context restores the model and the dispatcher.
 
 Unsupported call forms (e.g. ``addmm`` with beta != 1, a mean over another axis) run torch's own
 kernel and are counted in ``TrainerMode.fallbacks`` -- the dump writer prints them, because a
@@ -32,6 +37,7 @@ KV cache), bf16 or f32 models.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import warnings
@@ -39,7 +45,7 @@ from typing import Any
 
 import torch
 
-from interop.twin_autograd import twin_attention
+from interop.twin_autograd import twin_attention, twin_router_topk
 from interop.twins import TwinError, TwinTable, plan_twin_table
 
 logger = logging.getLogger(__name__)
@@ -49,6 +55,11 @@ ATTENTION_NAME = "jengine_twin"
 _TORCH_TO_JAX_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
 _LOCK = threading.Lock()
 _ACTIVE: "TrainerMode | None" = None
+
+# HF router modules (by class name) whose forward is gate GEMM -> fp32 softmax -> torch.topk(sorted)
+# -> optional division by the selected sum: trainer mode runs the router_topk leaf's twin in them.
+TORCH_TOPK_ROUTERS = ("Qwen3MoeTopKRouter",)
+_UNSET = object()  # a restore entry whose attribute the model did not have (deleted on restore)
 
 
 def _jax_dtype(dtype: torch.dtype):
@@ -183,7 +194,9 @@ class TrainerMode:
 
     def uninstall(self) -> None:
         for obj, attr, value in reversed(self._model_restore):
-            if attr == "attn_implementation":
+            if value is _UNSET:
+                delattr(obj, attr)
+            elif attr == "attn_implementation":
                 _set_attn_implementation(obj, value)
             else:
                 setattr(obj, attr, value)
@@ -194,6 +207,7 @@ class TrainerMode:
 
     # -- the model-level parts ---------------------------------------------------------------------
     def _prepare_model(self, model) -> None:
+        self.route_moe_routers(model)
         register_twin_attention(self.table)
         previous = model.config._attn_implementation
         _set_attn_implementation(model, ATTENTION_NAME)
@@ -207,6 +221,27 @@ class TrainerMode:
             # buffer is bf16 and would round the frequencies the engine keeps in f32.
             rotary.inv_freq = inv_freq.to(device=rotary.inv_freq.device, dtype=torch.float32)
             rotary.attention_scaling = scaling
+
+    def route_moe_routers(self, model) -> int:
+        """Route every ``TORCH_TOPK_ROUTERS`` module of ``model`` to the router_topk twin (an
+        instance ``forward``, removed on leaving); returns how many. ``enable(model)`` calls it."""
+        routed = 0
+        for module in model.modules():
+            if type(module).__name__ in TORCH_TOPK_ROUTERS and "forward" not in vars(module):
+                module.forward = functools.partial(self._router_forward, module)
+                self._model_restore.append((module, "forward", _UNSET))
+                routed += 1
+        return routed
+
+    def _router_forward(self, router, hidden_states):
+        """Qwen3MoeTopKRouter.forward (transformers 5.24) with the softmax and topk replaced:
+        -> (router_logits, routing weights in the logits' dtype, expert ids int64)."""
+        hidden_states = hidden_states.reshape(-1, router.hidden_dim)
+        router_logits = torch.nn.functional.linear(hidden_states, router.weight)
+        ids, weights = twin_router_topk(self.table.router_topk, router_logits, k=router.top_k,
+                                        norm_topk_prob=bool(router.norm_topk_prob))
+        self.routed["router_topk"] += 1
+        return router_logits, weights.to(router_logits.dtype), ids
 
     def summary(self) -> str:
         routed = ", ".join(f"{k}={v}" for k, v in sorted(self.routed.items())) or "none"

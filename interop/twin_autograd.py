@@ -11,10 +11,11 @@ Trainer mode reaches the twins two ways, and each way gets its backward differen
   derivative formula (derivatives.yaml: ``MmBackward0``, ``RsqrtBackward0``, ...) before handing it
   down to the twin, so those ops need nothing here. The formulas' own ops run under trainer mode
   too (a backward ``mm`` is the fixed-order GEMM twin): accurate, just not the fast kernels.
-* Two twins are called from Python, above the dispatcher, where autograd cannot see into them: the
-  dense-causal attention (selected through transformers' ``AttentionInterface``) and the blockwise
-  log-sum-exp of the trainer's logprob (interop/trainer_logprobs.py). A twin returns a fresh tensor
-  from JAX, which would silently cut the graph; the ``torch.autograd.Function``s below wrap them.
+* Three twins are called from Python, above the dispatcher, where autograd cannot see into them:
+  the dense-causal attention (selected through transformers' ``AttentionInterface``), the blockwise
+  log-sum-exp of the trainer's logprob (interop/trainer_logprobs.py) and a MoE router's top-k (the
+  router module's forward, interop/trainer_mode.py). A twin returns a fresh tensor from JAX, which
+  would silently cut the graph; the ``torch.autograd.Function``s below wrap them.
 """
 
 from __future__ import annotations
@@ -97,3 +98,34 @@ def blockwise_log_sum_exp(shifted, *, block_sumexp: Callable, log: Callable, blo
     """f32[R] log(S) of f32[R, V] ``shifted`` logits: S = ``block_sumexp``'s per-block sums of exp
     folded left to right, then ``log`` (the twins' bits); backward: the softmax of ``shifted``."""
     return _BlockwiseLogSumExp.apply(shifted, block_sumexp, log, block_size)
+
+
+class _TwinRouterTopK(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, twin, k, norm_topk_prob):
+        ids, weights = twin(logits.float().contiguous(), k=k, norm_topk_prob=norm_topk_prob)
+        ids = ids.long()
+        ctx.save_for_backward(logits, ids, weights)
+        ctx.norm_topk_prob = norm_topk_prob
+        ctx.mark_non_differentiable(ids)
+        return ids, weights
+
+    @staticmethod
+    def backward(ctx, _grad_ids, grad_weights):
+        logits, ids, weights = ctx.saved_tensors
+        p = torch.softmax(logits.float(), dim=-1)
+        grad_selected = grad_weights.float()
+        if ctx.norm_topk_prob:  # w = s / sum(s): dL/ds_j = (g_j - sum_i g_i w_i) / sum(s)
+            selected = p.gather(-1, ids)
+            grad_selected = (grad_selected - (grad_selected * weights).sum(-1, keepdim=True)) \
+                / selected.sum(-1, keepdim=True)
+        grad_p = torch.zeros_like(p).scatter_add_(-1, ids, grad_selected)
+        grad_logits = p * (grad_p - (grad_p * p).sum(-1, keepdim=True))  # softmax's Jacobian
+        return grad_logits.to(logits.dtype), None, None, None
+
+
+def twin_router_topk(twin: Callable, logits, *, k: int, norm_topk_prob: bool):
+    """``twin(logits.float(), k=k, norm_topk_prob=...)`` (the ("moe", "router_topk") leaf's twin)
+    -> (expert ids int64[T, k], routing weights f32[T, k]), with a backward to the logits through
+    the softmax and the normalisation (the selection itself has no gradient)."""
+    return _TwinRouterTopK.apply(logits, twin, k, norm_topk_prob)

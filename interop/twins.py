@@ -40,6 +40,7 @@ import pallas_kernels.activation  # noqa: F401
 import pallas_kernels.attention  # noqa: F401
 import pallas_kernels.gemm  # noqa: F401
 import pallas_kernels.logprobs  # noqa: F401
+import pallas_kernels.moe_router  # noqa: F401
 import pallas_kernels.rmsnorm  # noqa: F401
 
 REQUIRED_FEATURES = frozenset({"batch_invariant"})
@@ -51,7 +52,15 @@ LEAF_OPERATORS = {
     "silu": ("activation", "silu"),
     "attention": ("attention", "dense_causal"),
     "block_sumexp": ("sampling", "block_sumexp"),
+    "router_topk": ("moe", "router_topk"),
 }
+
+# Features an operator requires beyond batch invariance: the trainer's router is torch's topk, so its
+# twin is the leaf with PyTorch CUDA's tie order (what --router-topk torch plans in the engine).
+LEAF_FEATURES = {"router_topk": pallas_kernels.moe_router.ROUTER_TOPK_FEATURES["torch"]}
+
+# Operators whose leaves take f32 whatever the model's format.
+F32_FAMILIES = ("sampling", "moe")
 
 # Parts of the RMSNorm leaf that HF's forward calls as separate torch ops.
 RMSNORM_PART_TWINS = ("mean_fixed_order_torch", "rsqrt_torch")
@@ -155,6 +164,7 @@ class TwinTable:
     silu: Callable[..., Any]
     attention: Callable[..., Any]  # (q, k, v [B,S,H,D], *, scale) -> [B,S,Hq,D]
     block_sumexp: Callable[..., Any]  # (shifted f32[R,V], *, block_size) -> f32[R, V // block]
+    router_topk: Callable[..., Any]  # (logits f32[T,E], *, k, norm_topk_prob) -> (ids, weights)
     elementwise: dict[str, Callable[..., Any]] = field(default_factory=dict)
     provenance: dict[str, str] = field(default_factory=dict)  # op -> where its twin comes from
 
@@ -172,8 +182,9 @@ def plan_twin_table(device: str = "cpu", fmt: str = "bf16") -> TwinTable:
     twins: dict[str, Callable] = {}
     provenance: dict[str, str] = {}
     for op, (family, name) in LEAF_OPERATORS.items():
-        formats = {"f32"} if family == "sampling" else {fmt}
-        p = plan(family, name, formats=formats, hardware=hardware, features=REQUIRED_FEATURES)
+        formats = {"f32"} if family in F32_FAMILIES else {fmt}
+        p = plan(family, name, formats=formats, hardware=hardware,
+                 features=REQUIRED_FEATURES | LEAF_FEATURES.get(op, frozenset()))
         twin = find_twin(p.leaf.fn)
         if twin is None:
             raise TwinError(

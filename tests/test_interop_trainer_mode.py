@@ -20,7 +20,7 @@ from interop.states import capture_hf_states, state_names
 from interop.testing import make_tiny_hf_model
 from interop.twins import TwinError, plan_twin_table
 from jengine.profiles import override_profile
-from pallas_kernels import activation, gemm, rmsnorm
+from pallas_kernels import activation, gemm, moe_router, rmsnorm
 from pallas_kernels.registry import REGISTRY, Priority, register
 from tests.bits import count_bit_differences
 
@@ -117,6 +117,7 @@ def test_twin_table_comes_from_the_planned_leaves():
     table = plan_twin_table("cpu")
     assert "fixed_order" in table.provenance["gemm"] and "fixed_tree" in table.provenance["block_sumexp"]
     assert table.gemm is gemm.gemm_fixed_order_torch and table.silu is activation.silu_torch
+    assert table.router_topk is moe_router.router_topk_torch_torch  # --router-topk torch's leaf
 
     def twinless_silu(x):
         return x
