@@ -36,6 +36,26 @@ PROMPT_A = rng.integers(1, 32768, 11).tolist()
 PROMPT_B = rng.integers(1, 32768, 17).tolist()
 
 
+def harness(model_dir: str) -> dict:
+    """The invariance harness at EP4 (packed, rerun, prefix hit; greedy and T=1) under rl-bitwise
+    (the torch tie-order router leaf, fixed-order GEMMs) and its auto control in float32."""
+    from jengine.invariance import DEFAULT_PROMPTS, HarnessConfig, InvarianceHarness
+
+    out = {}
+    for name, numerics, extra in (("rl-bitwise ep4", "rl-bitwise", ()),
+                                  ("auto ep4 f32", "auto", (("dtype", "float32"),))):
+        cfg = HarnessConfig(model=model_dir, numerics=numerics, prompts=DEFAULT_PROMPTS[:3],
+                            max_new_tokens=5, chunk_sizes=(), retraction_intervals=(),
+                            launch=(("ep_size", 4), ("max_total_tokens", 2048)) + extra)
+        lines = []
+        results = InvarianceHarness(cfg).run(report=lines.append)
+        out[name] = {"modes": sorted({r.mode for r in results}),
+                     "compared_values": sum(r.compared_values for r in results),
+                     "divergences": [str(d) for r in results for d in r.divergences],
+                     "table": lines[0]}
+    return out
+
+
 def main():
     out = {}
     with tempfile.TemporaryDirectory() as tmp, override_profile(ARCH,
@@ -69,6 +89,7 @@ def main():
                         expert.addressable_shards[0].data.shape[0])
                     entry["parallelism"] = runner.parallelism()
                 out[f"{combine}_ep{ep}"] = entry
+        out["harness"] = harness(str(Path(tmp) / "moe"))
     print(json.dumps(out))
 
 
