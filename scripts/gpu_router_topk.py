@@ -159,6 +159,7 @@ def run_cuda(rng) -> tuple[list[dict], list[str]]:
                    "leaf_ids_equal": float((t_ids == l_ids).all(-1).mean()),
                    "leaf_weight_bits_equal": float((t_w.view(np.uint32) == l_w.view(np.uint32)).all(-1).mean())}
             table.append(row)
+            print(row, flush=True)  # progress: each (E, k) compiles its programs anew
             if order or pack:
                 failures.append(f"E={e} k={k}: {order} rows differ from torch.topk, {pack} rows "
                                 f"change when packed")
@@ -189,7 +190,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--experts", type=int, nargs="+", default=None,
+                    help=f"expert counts to check (default {EXPERTS}); each (E, k) compiles anew")
+    ap.add_argument("--ks", type=int, nargs="+", default=None, help=f"k values (default {KS})")
     args = ap.parse_args()
+    global EXPERTS, KS
+    EXPERTS, KS = tuple(args.experts or EXPERTS), tuple(args.ks or KS)
     import torch
 
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (CUDA patterns only)"
