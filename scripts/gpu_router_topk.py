@@ -187,6 +187,7 @@ def run_cpu(rng) -> tuple[list[dict], list[str]]:
 
 
 def main() -> int:
+    global EXPERTS, KS  # the grid run_cuda / run_cpu walk, narrowed by --experts / --ks
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--out", default=None)
@@ -194,7 +195,6 @@ def main() -> int:
                     help=f"expert counts to check (default {EXPERTS}); each (E, k) compiles anew")
     ap.add_argument("--ks", type=int, nargs="+", default=None, help=f"k values (default {KS})")
     args = ap.parse_args()
-    global EXPERTS, KS
     EXPERTS, KS = tuple(args.experts or EXPERTS), tuple(args.ks or KS)
     import torch
 
