@@ -160,7 +160,7 @@ PROBES = {
     "tp_size": (2, lambda v, name, tiny: plan_launch(_resolved("cpu", tp_size=v),
                                                      tiny.config).runner.tp_size),
     "dp_size": (2, _server_running_sets),
-    "ep_size": (2, REFUSED),
+    "ep_size": (2, REFUSED_HERE),  # served for MoE models (tests/test_expert_parallel.py)
     "moe_tp_size": (2, REFUSED),
     "page_size": (8, _runner("page_size")),
     "max_total_tokens": (256, _runner("num_pages")),

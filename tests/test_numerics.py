@@ -153,7 +153,7 @@ def test_eplb_with_the_rank_combine_stays_an_auto_launch():
     assert resolve(enable_eplb=True).config.moe_combine_order == "rank"
 
 
-@pytest.mark.parametrize("name", ["ep_size", "moe_tp_size"])
+@pytest.mark.parametrize("name", ["moe_tp_size"])
 @pytest.mark.parametrize("numerics", ["auto", "rl-bitwise"])
 def test_parallel_sizes_not_implemented_are_refused(name, numerics):
     flag = "--" + name.replace("_", "-")

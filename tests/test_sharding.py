@@ -164,7 +164,8 @@ def test_rules_table_is_the_one_source():
         for logical, *columns in RULES_TABLE:
             assert rules_for(layout).mesh_axis(logical) == columns[i]
     mapped = {rules_for("replicated").mesh_axis(a) for a in LOGICAL_AXES}
-    assert mapped == {None, "data"}  # replicated: only token rows are split (by DP)
+    # replicated (TP1): only token rows (by DP) and, under --ep-size, a MoE model's experts split
+    assert mapped == {None, "data", "expert"}
     assert layout_for(1) == "replicated" and layout_for(4) == "tensor_parallel"
 
 
