@@ -86,13 +86,15 @@ def test_qwen3_head_dim_128_vocab_151936_aligns(qwen3):
 
 
 def test_qwen3_head_dim_128_invariance_harness(qwen3):
-    cfg = HarnessConfig(model=str(qwen3), numerics="rl-bitwise", prompts=DEFAULT_PROMPTS[:4],
-                        max_new_tokens=8)
+    # One chunk size and one retraction interval (the tiny model runs every mode, test_invariance.py):
+    # each variant is a fresh engine at vocabulary 151936, the suite's costliest shape.
+    cfg = HarnessConfig(model=str(qwen3), numerics="rl-bitwise", prompts=DEFAULT_PROMPTS[:3],
+                        max_new_tokens=6, chunk_sizes=(7,), retraction_intervals=(-3,))
     lines: list[str] = []
     results = InvarianceHarness(cfg).run(report=lines.append)
     modes = {r.mode for r in results}
-    assert {"packed", "rerun", "prefix-hit", "chunk-4", "chunk-7", "chunk-256", "retract+3",
-            "retract-3"} <= modes and {r.temperature for r in results} == {0.0, 1.0}
+    assert {"packed", "rerun", "prefix-hit", "chunk-7", "retract-3"} <= modes
+    assert {r.temperature for r in results} == {0.0, 1.0}
     assert all(r.compared_values > 0 for r in results)
     diverged = [str(d) for r in results for d in r.divergences]
     assert diverged == [], "\n".join(lines + diverged)
