@@ -234,6 +234,7 @@ def test_teacher_forcing_triples_and_token_text(client):
     ({"input_ids": [1, "a"]}, "input_ids", [1, "a"]),
     ({"input_ids": [1], "return_logprob": "yes"}, "return_logprob", "yes"),
     ({"input_ids": [1], "return_logprobs": True}, "return_logprobs", True),
+    ({"input_ids": [1], "return_routed_experts": True}, "return_routed_experts", True),  # no MoE
     ({"input_ids": [1], "sampling_params": {"temprature": 1}}, "sampling_params.temprature", 1),
     ({"input_ids": [1, 128]}, "input_ids[1]", 128),  # input vocab is 128
     ({"input_ids": [1, 120], "return_logprob": True, "logprob_start_len": 0}, "input_ids[1]", 120),

@@ -119,7 +119,9 @@ class Engine(RLControl):
             max_context=self.max_context,
             input_vocab_size=int(getattr(model_config, "input_vocab_size", model_config.vocab_size)),
             vocab_size=int(model_config.vocab_size),
-            pool_tokens=self.kv.capacity_pages * self.kv.page_size, page_size=self.kv.page_size)
+            pool_tokens=self.kv.capacity_pages * self.kv.page_size, page_size=self.kv.page_size,
+            architecture=str(getattr(model_config, "architecture", "")),
+            routes_experts=getattr(runner, "routing_shape", None) is not None)
         self.scheduler = Scheduler(plan.scheduler, self.kv)
         logger.info("KV pool: %d pages x %d tokens = %d tokens; context %d", self.kv.capacity_pages,
                     self.kv.page_size, self.kv.capacity_pages * self.kv.page_size, self.max_context)
@@ -142,10 +144,13 @@ class Engine(RLControl):
     # ---------------------------------------------------------------------------------------------
     def generate(self, prompt: Any = None, input_ids: Any = None, sampling_params: Any = None,
                  return_logprob: Any = False, logprob_start_len: Any = -1, top_logprobs_num: Any = 0,
-                 rid: Any = None) -> dict | list[dict]:
-        """Blocking. A list in returns a list out, in order (n > 1: n entries per prompt)."""
+                 rid: Any = None, return_routed_experts: Any = False) -> dict | list[dict]:
+        """Blocking. A list in returns a list out, in order (n > 1: n entries per prompt).
+        return_routed_experts (MoE models): the final output's meta_info["routed_experts"]
+        (docs/serving.md, "Routed experts")."""
         items, batched = normalize_generate_args(self.tokenizer, prompt, input_ids, sampling_params,
-                                                 return_logprob, logprob_start_len, top_logprobs_num, rid)
+                                                 return_logprob, logprob_start_len, top_logprobs_num, rid,
+                                                 return_routed_experts)
         # Validate the whole batch before queueing any of it.
         groups = [self._validate(**item) for item in items]
         handles = self._enqueue(groups, stream=False, on_output=None)
@@ -157,13 +162,15 @@ class Engine(RLControl):
 
     def submit(self, *, input_ids: Any, sampling_params: Any = None, return_logprob: bool = False,
                logprob_start_len: int = -1, top_logprobs_num: int = 0, rid: str | None = None,
-               stream: bool = False, on_output: Callable[[dict], None] | None = None) -> RequestHandle:
+               stream: bool = False, on_output: Callable[[dict], None] | None = None,
+               return_routed_experts: bool = False) -> RequestHandle:
         """Non-blocking. on_output(out) runs in the output processor's thread (never the engine's):
         for every new token when stream is True (cumulative output dicts, in order), and always
         exactly once with the final output (finished=True)."""
         reqs = self._validate(input_ids=input_ids, sampling_params=sampling_params,
                               return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                              top_logprobs_num=top_logprobs_num, rid=rid)
+                              top_logprobs_num=top_logprobs_num, rid=rid,
+                              return_routed_experts=return_routed_experts)
         return self._enqueue([reqs], stream=stream, on_output=on_output)[0]
 
     def abort(self, rid: str, message: str = "aborted by the client") -> bool:
@@ -444,7 +451,7 @@ class Engine(RLControl):
             self.scheduler.finish(req)
         ev = StepOutput.for_segment(req, res, sampled=seg.sample)
         ev.weight_version = self.weight_version
-        if ev.new_token_ids or ev.finish_reason or ev.prompt_logprobs:
+        if ev.new_token_ids or ev.finish_reason or ev.prompt_logprobs or ev.routed_experts is not None:
             self._events.append(ev)
 
     # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ raises an `InvalidRequest` (a ValueError) naming the field and the value and the
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import threading
 from dataclasses import dataclass
@@ -64,12 +65,26 @@ def build_output(req: "RequestState") -> dict[str, Any]:
         if req.top_logprobs_num > 0:
             meta["input_top_logprobs"] = [None] + _top_lists(req.input_top_logprobs)
             meta["output_top_logprobs"] = _top_lists(req.output_top_logprobs)
+    if req.return_routed_experts and req.finished:  # the final output only (also when streamed)
+        meta["routed_experts"] = encode_routed_experts(req.routed_rows())
     return {
         "text": visible_text(req),
         "output_ids": list(req.output_ids),
         "finished": req.finished,
         "meta_info": meta,
     }
+
+
+def encode_routed_experts(ids: np.ndarray) -> str:
+    """SGLang's `meta_info["routed_experts"]`: the int32[positions, layers, k] ids, row-major, as
+    little-endian int32 bytes in base64 (no shape: the reader knows the model's layers and k)."""
+    return base64.b64encode(np.ascontiguousarray(ids, "<i4").tobytes()).decode("ascii")
+
+
+def decode_routed_experts(value: str, num_layers: int, top_k: int) -> np.ndarray:
+    """`encode_routed_experts`'s inverse: int32[positions, num_layers, top_k]."""
+    return np.frombuffer(base64.b64decode(value), "<i4").astype(np.int32).reshape(
+        -1, num_layers, top_k)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -109,6 +124,8 @@ class RequestLimits:
     vocab_size: int  # the output vocabulary: sampled ids, logprob targets, stop_token_ids
     pool_tokens: int  # the KV pool (--max-total-tokens), a whole number of pages
     page_size: int
+    architecture: str = ""  # named by refusals
+    routes_experts: bool = False  # the model has MoE layers: return_routed_experts is served
 
 
 def _as_token_list(ids: Any, name: str) -> list[int]:
@@ -124,7 +141,8 @@ def _as_token_list(ids: Any, name: str) -> list[int]:
 
 def normalize_generate_args(tokenizer: Any, prompt: Any, input_ids: Any, sampling_params: Any,
                             return_logprob: Any, logprob_start_len: Any, top_logprobs_num: Any,
-                            rid: Any) -> tuple[list[dict[str, Any]], bool]:
+                            rid: Any, return_routed_experts: Any = False
+                            ) -> tuple[list[dict[str, Any]], bool]:
     """`generate`'s single-or-list arguments -> one dict per prompt, and whether a list came in."""
     if (prompt is None) == (input_ids is None):
         raise InvalidRequest("prompt", prompt, "and input_ids: pass exactly one of prompt= or input_ids=",
@@ -158,6 +176,7 @@ def normalize_generate_args(tokenizer: Any, prompt: Any, input_ids: Any, samplin
                   return_logprob=per_item(return_logprob, "return_logprob", i),
                   logprob_start_len=per_item(logprob_start_len, "logprob_start_len", i),
                   top_logprobs_num=per_item(top_logprobs_num, "top_logprobs_num", i),
+                  return_routed_experts=per_item(return_routed_experts, "return_routed_experts", i),
                   rid=per_item(rid, "rid", i))
              for i, ids in enumerate(ids_list)]
     return items, batched
@@ -165,7 +184,7 @@ def normalize_generate_args(tokenizer: Any, prompt: Any, input_ids: Any, samplin
 
 def validate_request(limits: RequestLimits, *, input_ids: Any, sampling_params: Any,
                      return_logprob: Any, logprob_start_len: Any, top_logprobs_num: Any,
-                     rid: Any) -> list[Req]:
+                     rid: Any, return_routed_experts: Any = False) -> list[Req]:
     """The one place a request is validated (the engine's `submit` and `generate`, and the HTTP
     server before it admits a batch, all call it). n > 1 becomes n requests (see
     `sample_rids_and_seeds`). Every refusal is an `InvalidRequest` naming the field and value."""
@@ -203,6 +222,12 @@ def validate_request(limits: RequestLimits, *, input_ids: Any, sampling_params: 
                              f"(the prompt has {n_tok} tokens)")
     if not is_int(top_logprobs_num) or not 0 <= top_logprobs_num <= vocab_size:
         raise InvalidRequest("top_logprobs_num", top_logprobs_num, f"must be an int in [0, {vocab_size}]")
+    if not isinstance(return_routed_experts, (bool, np.bool_)):
+        raise InvalidRequest("return_routed_experts", return_routed_experts, "must be a bool")
+    if return_routed_experts and not limits.routes_experts:
+        raise InvalidRequest("return_routed_experts", True, f"the model "
+                             f"({limits.architecture or 'this one'}) has no MoE layers: no token is "
+                             "routed to experts")
     start = n_tok - 1 if logprob_start_len == -1 else int(logprob_start_len)
     if return_logprob:
         # Scored targets are input_ids[start + 1:]; they must be OUTPUT tokens (spec, "Input and
@@ -219,5 +244,6 @@ def validate_request(limits: RequestLimits, *, input_ids: Any, sampling_params: 
         raise InvalidRequest("rid", rid, f"is not valid Unicode text: {exc.reason}") from None
 
     return [Req(rid=r, prompt_ids=list(ids), sampling=sp, seed=seed, return_logprob=bool(return_logprob),
-                logprob_start_len=start, top_logprobs_num=int(top_logprobs_num) if return_logprob else 0)
+                logprob_start_len=start, top_logprobs_num=int(top_logprobs_num) if return_logprob else 0,
+                return_routed_experts=bool(return_routed_experts))
             for r, seed in sample_rids_and_seeds(rid, sp.seed, sp.n)]

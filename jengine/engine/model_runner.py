@@ -99,7 +99,13 @@ class ModelRunner:
         self._head_pad = 0 if self._tp is None else head_padding(
             model_config.vocab_size, cfg.tp_size, cfg.logprob_block_width)
         with jax.default_device(self._home):
-            self._graphdef, state = nnx.split(self._build_model(weights))
+            model = self._build_model(weights)
+            # (layers, k) of a row's routed expert ids when the model routes tokens to experts: its
+            # step program then has a third output, the ids of every row (docs/serving.md,
+            # "Routed experts"). None for the dense families, whose program is unchanged.
+            self.routing_shape = getattr(model, "routing_shape", None)
+            self._graphdef, state = nnx.split(model)
+            del model
         # The jitted programs take the parameters as one flat tuple: jit flattens a tuple of arrays
         # in C++, an nnx.State (hundreds of leaves) through Python callbacks -- host time each step.
         self._params, self._state_def = jax.tree.flatten(state)
@@ -136,8 +142,9 @@ class ModelRunner:
             params = tuple(p.sharding.spec for p in self._params)
             pool = jax.tree.map(lambda a: a.sharding.spec, self.kv_pool.arrays)
             rep = PartitionSpec()
+            routed = (rep,) if self.routing_shape else ()  # every rank routes every row
             forward = jax.shard_map(forward, mesh=self.mesh, in_specs=(params, pool) + (rep,) * 4,
-                                    out_specs=(rep, pool), check_vma=False)
+                                    out_specs=(rep, pool) + routed, check_vma=False)
             logits_rows = jax.shard_map(logits_rows, mesh=self.mesh,
                                         in_specs=(params, rep, rep), out_specs=rep,
                                         check_vma=False)
@@ -309,7 +316,10 @@ class ModelRunner:
 
     # -- jitted bodies ----------------------------------------------------------------------------
     def _forward_impl(self, params, kv, input_ids, positions, token_req, block_tables):
-        return self._model(params)(input_ids, positions, token_req, block_tables, kv)
+        model = self._model(params)
+        if self.routing_shape:
+            return model.forward_routed(input_ids, positions, token_req, block_tables, kv)
+        return model(input_ids, positions, token_req, block_tables, kv)
 
     def _logits_rows_impl(self, params, hidden, rows):
         return self._model(params).compute_logits(hidden[rows])
@@ -324,6 +334,12 @@ class ModelRunner:
         """Run one step; returns the final-norm hidden states of every row of the step's token
         bucket [T_pad, H] (rows past batch.num_tokens are padding). The engine's path: pair it
         with `logits_at`, so no program is compiled per number of returned rows."""
+        return self.forward_routed(batch)[0]
+
+    def forward_routed(self, batch: StepBatch) -> tuple[jax.Array, jax.Array | None]:
+        """`forward_padded`'s hidden states and, for a model that routes tokens to experts, the
+        expert ids int32[T_pad, layers, k] of every row (None otherwise). The same program: the
+        ids stay on the device unless the caller reads them."""
         t = batch.num_tokens
         if t == 0:
             raise ValueError("empty step batch")
@@ -343,9 +359,9 @@ class ModelRunner:
         token_req[:t] = batch.token_req
         block_tables[:r, :p] = batch.block_tables
         pool = self.kv_pool
-        hidden, pool.arrays = self._forward(self._params, pool.arrays, input_ids, positions,
-                                            token_req, block_tables)
-        return hidden
+        hidden, pool.arrays, *routed = self._forward(self._params, pool.arrays, input_ids,
+                                                     positions, token_req, block_tables)
+        return hidden, (routed[0] if routed else None)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """[n, H] -> [n, V] float32, computed in a padded bucket (rows are independent)."""
@@ -438,8 +454,7 @@ class ModelRunner:
                   np.arange(1, pages + 1, dtype=np.int32)[None])  # ids, positions, req, table
         kv = self.kv_pool.allocate(pages + 1)
         if instrument is None:
-            hidden, _ = self._forward(self._params, kv, *inputs)
-            return hidden, None
+            return self._forward(self._params, kv, *inputs)[0], None
 
         if self._tp is not None:
             raise NotImplementedError(f"forward_sequence(instrument=...) at tp_size={self._tp.size}:"
@@ -469,7 +484,7 @@ class ModelRunner:
         for t, p in tqdm(combos, desc="compiling step buckets", unit="bucket"):
             # A real call (not .lower().compile()) so the jit dispatch cache is filled; every row is
             # padding, so no K/V is written.
-            _, self.kv_pool.arrays = self._forward(
+            _, self.kv_pool.arrays, *_ = self._forward(
                 self._params, self.kv_pool.arrays, np.zeros(t, np.int32), np.zeros(t, np.int32),
                 np.zeros(t, np.int32), np.full((t, p), NULL_PAGE, np.int32))
         seconds = time.perf_counter() - start

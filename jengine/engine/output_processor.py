@@ -46,6 +46,8 @@ class StepOutput:
     finish_reason: dict[str, Any] | None = None  # set once the engine finished the request
     cached_tokens: int = 0
     weight_version: str = ""  # the weights this step ran with
+    routed_experts: np.ndarray | None = None  # int32[n, layers, k] of positions routed_start..
+    routed_start: int = 0
 
     @classmethod
     def for_segment(cls, req: Req, res: Any, sampled: bool) -> "StepOutput":
@@ -54,7 +56,8 @@ class StepOutput:
         n_top = req.top_logprobs_num
         ev = cls(req.rid, prompt_logprobs=list(res.prompt_logprobs),
                  prompt_top_logprobs=[(v[:n_top], t[:n_top]) for v, t in res.prompt_tops],
-                 finish_reason=req.finish_reason, cached_tokens=req.cached_tokens)
+                 finish_reason=req.finish_reason, cached_tokens=req.cached_tokens,
+                 routed_experts=res.routed_experts, routed_start=res.routed_start)
         if sampled:
             ev.new_token_ids = [res.token]
             if req.return_logprob:
@@ -79,6 +82,7 @@ class RequestState:
     return_logprob: bool
     logprob_start_len: int
     top_logprobs_num: int
+    return_routed_experts: bool
     stream: bool
     detokenizer: Any
     handle: RequestHandle | None = None
@@ -93,13 +97,18 @@ class RequestState:
     input_top_logprobs: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     output_token_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    # Expert ids of positions 0, 1, ... in arrival order (a chunk per step); see `routed_rows`.
+    routed_experts: list[np.ndarray] = field(default_factory=list)
+    routed_count: int = 0
 
     @classmethod
     def for_req(cls, req: Req, detokenizer: Any, handle: RequestHandle | None = None,
                 on_output: Callable[[dict], None] | None = None) -> "RequestState":
         return cls(rid=req.rid, prompt_ids=req.prompt_ids, sampling=req.sampling,
                    return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
-                   top_logprobs_num=req.top_logprobs_num, stream=req.stream, detokenizer=detokenizer,
+                   top_logprobs_num=req.top_logprobs_num,
+                   return_routed_experts=req.return_routed_experts, stream=req.stream,
+                   detokenizer=detokenizer,
                    handle=handle, on_output=on_output)
 
     @property
@@ -116,6 +125,14 @@ class RequestState:
         self.weight_version = ev.weight_version or self.weight_version
         self.input_token_logprobs.extend(ev.prompt_logprobs)
         self.input_top_logprobs.extend(ev.prompt_top_logprobs)
+        if ev.routed_experts is not None:
+            # Positions arrive in order (no prefix-cache hit; a retraction resumes from its saved
+            # KV, recomputing nothing): anything else would misplace every later token's ids.
+            if ev.routed_start != self.routed_count:
+                raise RuntimeError(f"routed experts of positions {ev.routed_start}.. arrived after "
+                                   f"{self.routed_count} positions")
+            self.routed_experts.append(ev.routed_experts)
+            self.routed_count += len(ev.routed_experts)
         reason = ev.finish_reason
         # eos / stop_token_ids: the stop token is recorded but its text is not part of `text`.
         stopped_by_token = reason is not None and reason["type"] == "stop" and not isinstance(
@@ -139,6 +156,15 @@ class RequestState:
         if self.finished and not isinstance(self.finish_reason.get("matched"), str):
             self.text += self.detokenizer.flush()  # text held back for an incomplete character
         return stopped_by_string
+
+    def routed_rows(self) -> np.ndarray:
+        """int32[n, layers, k]: the expert ids of every position the model ran for this request --
+        the prompt and every output token but the last (never fed back), as SGLang's seqlen - 1;
+        a prompt-only request (max_new_tokens=0) has all its prompt positions."""
+        if not self.routed_experts:  # aborted before its first step
+            return np.zeros((0,), np.int32)
+        n = self.prompt_len + max(len(self.output_ids) - 1, 0)
+        return np.concatenate(self.routed_experts)[:n]
 
     def check_stop_strings(self, delta_len: int) -> bool:
         """After `delta_len` new characters: finish at the first stop string, trimming it (and

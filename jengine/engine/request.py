@@ -201,6 +201,7 @@ class Req:
     return_logprob: bool = False
     logprob_start_len: int = -1  # resolved: L-1 when the caller passed -1
     top_logprobs_num: int = 0
+    return_routed_experts: bool = False  # export each forwarded row's expert ids (MoE models)
     stream: bool = False
 
     output_ids: list[int] = field(default_factory=list)

@@ -54,6 +54,7 @@ class Segment:
     length: int
     sample: bool  # the last row's hidden state samples the request's next token
     scored: range  # prompt positions whose rows score prompt_ids[p + 1]
+    first_row: int = 0  # the step row of fill_ids[start]; the segment's rows follow it
     scored_hidden: list[int] = field(default_factory=list)  # indices into the forward's output
     sample_hidden: int | None = None
 
@@ -170,6 +171,10 @@ class Scheduler:
         max_hit = req.prompt_len - 1
         if req.return_logprob:
             max_hit = min(max_hit, req.logprob_start_len)
+        if req.return_routed_experts:
+            # A cached prefix's routing was computed by an earlier request and is not stored with
+            # its pages: the request recomputes its whole prompt, so every position has its ids.
+            max_hit = 0
         match = None
         if self.cache is not None and max_hit > 0:
             match = self.cache.match(req.prompt_ids, max_hit)
@@ -273,7 +278,7 @@ class Scheduler:
             input_ids += req.fill_ids[start: start + n]
             positions += range(start, start + n)
             token_req += [row] * n
-            seg = Segment(req=req, start=start, length=n,
+            seg = Segment(req=req, start=start, length=n, first_row=base,
                           sample=start + n == req.num_tokens and req.sampling.max_new_tokens > 0,
                           scored=req.scored_rows(start, start + n))
             for p in seg.scored:

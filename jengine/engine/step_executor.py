@@ -33,6 +33,10 @@ class SegmentResult:
     token: int | None = None  # the sampled token, when the segment samples
     token_logprob: float | None = None
     token_top: tuple[np.ndarray, np.ndarray] | None = None
+    # The expert ids int32[length, layers, k] of the segment's rows, positions routed_start ..
+    # routed_start + length - 1, when its request asked for them.
+    routed_experts: np.ndarray | None = None
+    routed_start: int = 0
 
 
 def execute_step(runner: Any, sampler: Any, step: ScheduledStep,
@@ -45,7 +49,16 @@ def execute_step(runner: Any, sampler: Any, step: ScheduledStep,
     results = {id(seg): SegmentResult() for seg in step.segments}
     # The step's whole padded bucket of hidden states; `logits_at` gathers rows inside its jitted
     # program, so no small program is compiled per count of sampled or scored rows.
-    hidden = runner.forward_padded(step.batch)
+    routing = [seg for seg in step.segments if seg.req.return_routed_experts]
+    if routing:  # the same program; only then are the step's ids copied to the host
+        hidden, routed = runner.forward_routed(step.batch)
+        routed = np.asarray(routed)
+        for seg in routing:
+            res = results[id(seg)]
+            res.routed_experts = routed[seg.first_row: seg.first_row + seg.length]
+            res.routed_start = seg.start
+    else:
+        hidden = runner.forward_padded(step.batch)
     step_rows = step.batch.hidden_rows
 
     scores_locally = getattr(runner, "scores_without_gather", None)

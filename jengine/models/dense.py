@@ -155,6 +155,12 @@ class DenseDecoder(nnx.Module):
         [num_pages, page_size, Hkv, D]. Returns the final-norm hidden states [T, H] and the
         updated pages, in the same structure.
         """
+        out, new_kv, _ = self.decode(input_ids, positions, token_req, block_tables, kv)
+        return out, new_kv
+
+    def decode(self, input_ids, positions, token_req, block_tables, kv):
+        """`__call__`'s step, and per layer the expert ids int32[T, k] its MLP routed each row to
+        (None for a dense MLP): a body with routing MLPs exports them (moe_decoder.py)."""
         cfg, kern = self.cfg, self.kernels
         pages0 = kv[0][0]
         page_size = pages0.shape[1]
@@ -169,7 +175,7 @@ class DenseDecoder(nnx.Module):
 
         h = self.embed_tokens(input_ids, tp=self.tp)
         residual = None
-        new_kv = []
+        new_kv, routed = [], []
         for i, layer in enumerate(self.layers):
             if self.unfused_norm or residual is None:
                 if residual is not None:
@@ -188,12 +194,16 @@ class DenseDecoder(nnx.Module):
                 x = layer.post_attention_layernorm(kern, h, eps=eps)
             else:
                 x, residual = layer.post_attention_layernorm.add(kern, attn, residual, eps=eps)
-            h = layer.mlp(kern, x, dtype=self.dtype, tp=self.tp)
+            if getattr(layer.mlp, "routed", None) is not None:  # a sparse MoE block
+                h, ids = layer.mlp.routed(kern, x, dtype=self.dtype, tp=self.tp)
+            else:
+                h, ids = layer.mlp(kern, x, dtype=self.dtype, tp=self.tp), None
+            routed.append(ids)
         if self.unfused_norm:
             out = self.norm(kern, residual + h, eps=eps)
         else:
             out, _ = self.norm.add(kern, h, residual, eps=eps)
-        return out, tuple(new_kv)
+        return out, tuple(new_kv), routed
 
     def compute_logits(self, hidden):
         """LM head: [n, H] -> [n, V] in the model dtype, widened to f32 (an exact conversion)."""

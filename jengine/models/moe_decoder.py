@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
+import jax.numpy as jnp
+
 from jengine.models import dense
 from jengine.models.family import MoEOptions
 from jengine.models.layers.mlp import SwiGLU
@@ -77,6 +79,21 @@ class MoEDecoder(dense.DenseDecoder):
         for layer in self.layers:
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.ep = expert_parallel
+
+    @property
+    def routing_shape(self) -> tuple[int, int]:
+        """(layers, k) of one token row's routed expert ids, as `forward_routed` exports them."""
+        return self.cfg.num_hidden_layers, self.cfg.num_experts_per_tok
+
+    def forward_routed(self, input_ids, positions, token_req, block_tables, kv):
+        """`__call__`'s (hidden [T, H], pages) and the expert ids int32[T, layers, k] each row was
+        routed to by each layer (SGLang's routed_experts layout per token). A dense layer of the
+        body (mlp_only_layers, decoder_sparse_step) routes nowhere: its k ids are -1, as SGLang's."""
+        out, new_kv, routed = self.decode(input_ids, positions, token_req, block_tables, kv)
+        t, k = input_ids.shape[0], self.cfg.num_experts_per_tok
+        none = jnp.full((t, k), -1, jnp.int32)
+        ids = jnp.stack([none if r is None else r.astype(jnp.int32) for r in routed], axis=1)
+        return out, new_kv, ids
 
 
 Model = MoEDecoder

@@ -1,15 +1,16 @@
 """POST /generate: SGLang's native dialect, the one RL frameworks (slime, miles, verl) speak.
 
 Request: `text` or `input_ids`, single or batch; `sampling_params` (one object, or one per batch
-item); `return_logprob`, `logprob_start_len`, `top_logprobs_num` (in a batch: one value, or a list
-with one per prompt, as SGLang's GenerateReqInput); `return_text_in_logprobs`; `rid` (in a batch: a
+item); `return_logprob`, `logprob_start_len`, `top_logprobs_num`, `return_routed_experts` (in a
+batch: one value, or a list with one per prompt, as SGLang's GenerateReqInput); `return_text_in_logprobs`; `rid` (in a batch: a
 list of distinct strings, or one string used as the prefix `<rid>_<i>`); `stream`.
 `sampling_params.n > 1` samples n continuations per prompt, each with its own seed. The request's
 size is bounded before it is expanded or tokenized (admission.py).
 
 Response: the engine's output dict (`text`, `output_ids`, `meta_info` with `id`, `finish_reason`,
 `prompt_tokens`, `completion_tokens`, `cached_tokens` and, with return_logprob, the logprob
-triples `[logprob, token_id, null]`), or a list of them for a batch (n outputs per prompt, prompt
+triples `[logprob, token_id, null]`; with return_routed_experts, the final output's
+`routed_experts`), or a list of them for a batch (n outputs per prompt, prompt
 by prompt). Streaming sends `data: {...}` events, each holding the output so far (SGLang's
 default, non-incremental stream; a batch adds `index`), then `data: [DONE]`.
 """
@@ -93,7 +94,8 @@ def _n(params: Any, field: str, admission: Any) -> int:
     return n
 
 
-_PER_ITEM_OPTIONS = ("return_logprob", "logprob_start_len", "top_logprobs_num")
+_PER_ITEM_OPTIONS = ("return_logprob", "logprob_start_len", "top_logprobs_num",
+                     "return_routed_experts")
 
 
 def _rids(rid: Any, n: int, is_batch: bool) -> list[str | None]:

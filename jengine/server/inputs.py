@@ -108,7 +108,8 @@ def fit_max_new_tokens(params: dict, req: Req, limits: ModelLimits, default: int
 
 def engine_items(limits: ModelLimits, *, input_ids: list[int], sampling_params: Any, rid: str,
                  return_logprob: Any, logprob_start_len: Any, top_logprobs_num: Any, stream: bool,
-                 default_max_new_tokens: int, names: dict[str, str]) -> list[dict]:
+                 default_max_new_tokens: int, names: dict[str, str],
+                 return_routed_experts: Any = False) -> list[dict]:
     """One prompt as engine submissions, one per sample (n > 1: the engine's own rids and seeds),
     validated by the engine's `validate_request`. Its refusal becomes a 400 naming the field the
     client sent: `names` maps engine field paths to the route's (see `RequestError.from_invalid`)."""
@@ -118,7 +119,8 @@ def engine_items(limits: ModelLimits, *, input_ids: list[int], sampling_params: 
     try:
         reqs = validate_request(limits.request, input_ids=input_ids, sampling_params=params,
                                 return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                                top_logprobs_num=top_logprobs_num, rid=rid)
+                                top_logprobs_num=top_logprobs_num, rid=rid,
+                                return_routed_experts=return_routed_experts)
         max_new_tokens = fit_max_new_tokens(sampling_params or {}, reqs[0], limits,
                                             default_max_new_tokens)
     except InvalidRequest as exc:
@@ -126,5 +128,7 @@ def engine_items(limits: ModelLimits, *, input_ids: list[int], sampling_params: 
     return [dict(input_ids=input_ids, rid=req.rid, stream=stream, return_logprob=return_logprob,
                  logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
                  sampling_params={**req.sampling.to_dict(), "max_new_tokens": max_new_tokens,
-                                  "seed": req.seed, "n": 1})
+                                  "seed": req.seed, "n": 1},
+                 # only when asked: an engine without MoE layers never sees the keyword
+                 **({"return_routed_experts": True} if req.return_routed_experts else {}))
             for req in reqs]

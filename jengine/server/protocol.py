@@ -101,6 +101,7 @@ class GenerateRequest(_Strict):
     return_logprob: Any = False  # bool | list[bool]
     logprob_start_len: Any = -1  # int | list[int]; -1: from the last prompt token (output only)
     top_logprobs_num: Any = 0  # int | list[int]
+    return_routed_experts: Any = False  # bool | list[bool]; MoE models (docs/serving.md)
     return_text_in_logprobs: bool = False  # fill the third element of each triple with token text
     rid: Any = None  # str | list[str]
     stream: bool = False

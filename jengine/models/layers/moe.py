@@ -62,6 +62,11 @@ class SparseMoE(nnx.Module):
 
     def __call__(self, kern, x, *, dtype, tp=None):
         """x [T, H] -> [T, H] in `dtype`. kern: the MoE body's kernel set (router_topk plan)."""
+        return self.routed(kern, x, dtype=dtype, tp=tp)[0]
+
+    def routed(self, kern, x, *, dtype, tp=None):
+        """(the block's output [T, H] in `dtype`, the expert ids int32[T, k] it routed each row
+        to): the ids are what --return-routed-experts exports (docs/serving.md)."""
         if tp is not None:
             raise ValueError("tensor parallelism of a MoE block is not implemented (MoE TP = 1; "
                              "expert parallelism is issue #18's later part)")
@@ -69,14 +74,14 @@ class SparseMoE(nnx.Module):
         per_expert = self.experts(kern, x, dtype=dtype)          # [E (this rank's), T, H]
         if self.ep is not None and kern.combine_order == "rank":
             return self.ep.rank_combine(per_expert, ids,
-                                        lambda out: out * weights[:, :, None]).astype(dtype)
+                                        lambda out: out * weights[:, :, None]).astype(dtype), ids
         if self.ep is None:
             rows = jnp.arange(x.shape[0])[:, None]
             selected = per_expert[ids, rows]                    # [T, k, H]: slot s = expert ids[:, s]
         else:  # the same [T, k, H], moved from the experts' owners (bytes only)
             selected = self.ep.slot_outputs(per_expert, ids)
         scaled = selected * weights[:, :, None]                 # rounded to dtype, as HF
-        return slot_order_sum(scaled).astype(dtype)
+        return slot_order_sum(scaled).astype(dtype), ids
 
     def route(self, kern, x, *, dtype):
         """(expert ids int32[T, k], routing weights [T, k] in `dtype`) for the rows of x."""
