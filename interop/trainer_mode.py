@@ -1,4 +1,5 @@
-"""Trainer mode: HF transformers' own Llama/Qwen2/Qwen3 forward, in torch, computing the engine's bits.
+"""Trainer mode: HF transformers' own forward (Llama, Qwen2, Qwen3, Qwen3-MoE), in torch, computing
+the engine's bits.
 
 ``enable()`` overrides, with ``torch.library`` at the device's dispatch key (the way
 ``batch_invariant_ops`` does), the aten operations whose torch implementation cannot reproduce the
@@ -20,6 +21,9 @@ module in ``TORCH_TOPK_ROUTERS`` (transformers' ``Qwen3MoeTopKRouter``: fp32 sof
 sorted, optional ``/ sum``) runs its gate GEMM as before (``F.linear``, routed to the GEMM twin)
 and then the twin of the ("moe", "router_topk") leaf with PyTorch CUDA's tie order, the leaf
 ``--router-topk torch`` plans in the engine; nothing else's ``topk`` or ``softmax`` is touched.
+The forward of every experts module in ``SLOT_ORDER_EXPERTS`` (transformers' ``Qwen3MoeExperts``)
+is replaced by the engine's expert path in routed torch ops (``_experts_forward``), whichever
+``experts_implementation`` the model was loaded with.
 Leaving the context restores the model and the dispatcher.
 
 Unsupported call forms (e.g. ``addmm`` with beta != 1, a mean over another axis) run torch's own
@@ -27,8 +31,8 @@ kernel and are counted in ``TrainerMode.fallbacks`` -- the dump writer prints th
 fallback on the model's path means its bits are torch's, not the engine's.
 
 Gradients: ``loss.backward()`` works under trainer mode. The overrides sit below autograd, so torch's
-own derivative formulas apply to the routed aten ops; the attention twin carries its own backward
-(interop/twin_autograd.py). Only the forward is bitwise; the backward is accurate torch arithmetic.
+own derivative formulas apply to the routed aten ops (the experts' forward is built from them); the
+attention and router twins carry their own backward (interop/twin_autograd.py). Only the forward is bitwise; the backward is accurate torch arithmetic.
 
 Scope: unpadded causal sequences (the twin attention refuses masks other than plain causal, and a
 KV cache), bf16 or f32 models.
