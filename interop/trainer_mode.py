@@ -1,4 +1,5 @@
-"""Trainer mode: HF transformers' own Llama/Qwen2/Qwen3 forward, in torch, computing the engine's bits.
+"""Trainer mode: HF transformers' own forward (Llama, Qwen2, Qwen3, Qwen3-MoE), in torch, computing
+the engine's bits.
 
 ``enable()`` overrides, with ``torch.library`` at the device's dispatch key (the way
 ``batch_invariant_ops`` does), the aten operations whose torch implementation cannot reproduce the
@@ -20,6 +21,9 @@ module in ``TORCH_TOPK_ROUTERS`` (transformers' ``Qwen3MoeTopKRouter``: fp32 sof
 sorted, optional ``/ sum``) runs its gate GEMM as before (``F.linear``, routed to the GEMM twin)
 and then the twin of the ("moe", "router_topk") leaf with PyTorch CUDA's tie order, the leaf
 ``--router-topk torch`` plans in the engine; nothing else's ``topk`` or ``softmax`` is touched.
+The forward of every experts module in ``SLOT_ORDER_EXPERTS`` (transformers' ``Qwen3MoeExperts``)
+is replaced by the engine's expert path in routed torch ops (``_experts_forward``), whichever
+``experts_implementation`` the model was loaded with.
 Leaving the context restores the model and the dispatcher.
 
 Unsupported call forms (e.g. ``addmm`` with beta != 1, a mean over another axis) run torch's own
@@ -27,8 +31,8 @@ kernel and are counted in ``TrainerMode.fallbacks`` -- the dump writer prints th
 fallback on the model's path means its bits are torch's, not the engine's.
 
 Gradients: ``loss.backward()`` works under trainer mode. The overrides sit below autograd, so torch's
-own derivative formulas apply to the routed aten ops; the attention twin carries its own backward
-(interop/twin_autograd.py). Only the forward is bitwise; the backward is accurate torch arithmetic.
+own derivative formulas apply to the routed aten ops (the experts' forward is built from them); the
+attention and router twins carry their own backward (interop/twin_autograd.py). Only the forward is bitwise; the backward is accurate torch arithmetic.
 
 Scope: unpadded causal sequences (the twin attention refuses masks other than plain causal, and a
 KV cache), bf16 or f32 models.
@@ -59,6 +63,10 @@ _ACTIVE: "TrainerMode | None" = None
 # HF router modules (by class name) whose forward is gate GEMM -> fp32 softmax -> torch.topk(sorted)
 # -> optional division by the selected sum: trainer mode runs the router_topk leaf's twin in them.
 TORCH_TOPK_ROUTERS = ("Qwen3MoeTopKRouter",)
+# HF experts modules (by class name) holding fused SwiGLU experts (gate_up_proj [E, 2I, H], down_proj
+# [E, H, I]) called as experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]): trainer mode
+# replaces their forward with the engine's expert path and slot-order combine (``_experts_forward``).
+SLOT_ORDER_EXPERTS = ("Qwen3MoeExperts",)
 _UNSET = object()  # a restore entry whose attribute the model did not have (deleted on restore)
 
 
@@ -208,6 +216,7 @@ class TrainerMode:
     # -- the model-level parts ---------------------------------------------------------------------
     def _prepare_model(self, model) -> None:
         self.route_moe_routers(model)
+        self.route_moe_experts(model)
         register_twin_attention(self.table)
         previous = model.config._attn_implementation
         _set_attn_implementation(model, ATTENTION_NAME)
@@ -242,6 +251,52 @@ class TrainerMode:
                                         norm_topk_prob=bool(router.norm_topk_prob))
         self.routed["router_topk"] += 1
         return router_logits, weights.to(router_logits.dtype), ids
+
+    def route_moe_experts(self, model) -> int:
+        """Replace the forward of every ``SLOT_ORDER_EXPERTS`` module of ``model`` (an instance
+        ``forward``, removed on leaving) with ``_experts_forward``; returns how many.
+
+        The instance forward shadows the class's, so it runs whatever ``experts_implementation``
+        the model was loaded with (transformers 5.24 picks ``grouped_mm`` by default, on the CPU
+        too with torch >= 2.9, whose ``aten::_grouped_mm`` trainer mode does not route)."""
+        routed = 0
+        for module in model.modules():
+            if type(module).__name__ in SLOT_ORDER_EXPERTS and "forward" not in vars(module):
+                if getattr(module, "_is_expert_parallel", False):
+                    raise TwinError(f"trainer mode: {type(module).__name__} is expert-parallel "
+                                    "(transformers' EP); run the trainer's experts unsharded")
+                module.forward = functools.partial(self._experts_forward, module)
+                self._model_restore.append((module, "forward", _UNSET))
+                routed += 1
+        return routed
+
+    def _experts_forward(self, experts, hidden_states, top_k_index, top_k_weights):
+        """The engine's expert path (jengine/models/layers/moe.py) in torch ops trainer mode routes.
+
+        For each expert e and the rows routed to it: gate = x W_gate^T and up = x W_up^T as two
+        GEMMs (F.linear -> aten mm -> the GEMM twin; the engine's gemm_group keeps each member's
+        own gemm bits, and the fixed-order GEMM's rows do not depend on how many rows share the
+        call), silu(gate) * up (F.silu -> the SiLU twin), y = h W_down^T, then y times the slot's
+        routing weight in the model dtype. A token's k scaled outputs are added in f32 in slot
+        order 0..k-1 and rounded once (``slot_order_sum``, --moe-combine-order slot). Plain torch
+        ops throughout, so autograd differentiates it with its own formulas."""
+        import torch.nn.functional as F
+
+        tokens, k = top_k_index.shape
+        inter = experts.intermediate_dim
+        slots = hidden_states.new_zeros(tokens, k, hidden_states.shape[-1])
+        for e in torch.unique(top_k_index).tolist():
+            token_idx, slot = torch.where(top_k_index == e)
+            x = hidden_states[token_idx]
+            gate_up, down = experts.gate_up_proj[e], experts.down_proj[e]
+            h = F.silu(F.linear(x, gate_up[:inter])) * F.linear(x, gate_up[inter:])
+            y = F.linear(h, down) * top_k_weights[token_idx, slot, None].to(h.dtype)
+            slots = slots.index_put((token_idx, slot), y)
+        self.routed["moe_experts"] += 1
+        total = slots[:, 0].float()
+        for s in range(1, k):
+            total = total + slots[:, s].float()
+        return total.to(hidden_states.dtype)
 
     def summary(self) -> str:
         routed = ", ".join(f"{k}={v}" for k, v in sorted(self.routed.items())) or "none"

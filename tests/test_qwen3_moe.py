@@ -32,7 +32,7 @@ from jengine.models import load_model  # noqa: E402
 from jengine.models.layers.moe import SparseMoE  # noqa: E402
 from jengine.models.layers.param import RandomSource  # noqa: E402
 from jengine.models.moe_decoder import ModelKernels  # noqa: E402
-from jengine.numerics import NumericsRefusal, resolve_launch  # noqa: E402
+from jengine.numerics import resolve_launch  # noqa: E402
 from pallas_kernels.fixed_order import sequential_dot  # noqa: E402
 from pallas_kernels.registry import REGISTRY, KernelPlanError  # noqa: E402
 from tests.test_models_hf import _greedy, _prefill_logits  # noqa: E402
@@ -108,9 +108,11 @@ def test_engine_generates_under_auto(moe_dir):
     assert [len(o["output_ids"]) for o in outs] == [6, 6]
 
 
-def test_rl_bitwise_is_refused_until_the_family_is_verified(moe_dir, loaded):
-    with pytest.raises(NumericsRefusal, match=f"{ARCH}.*numerics_envelopes"):
-        _plan(moe_dir, loaded, numerics="rl-bitwise")
+def test_rl_bitwise_plans_the_trainer_aligned_moe_switches(moe_dir, loaded):
+    """The profile declares rl-bitwise (tests/test_moe_align.py, tests/test_expert_parallel.py), and
+    the launch pins the router's torch tie order and the slot-order combine."""
+    plan = _plan(moe_dir, loaded, numerics="rl-bitwise")
+    assert (plan.model.moe.router_topk, plan.model.moe.combine_order) == ("torch", "slot")
 
 
 def test_router_topk_torch_plans_the_torch_leaf_or_refuses(moe_dir, loaded):

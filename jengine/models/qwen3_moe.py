@@ -65,10 +65,10 @@ def checkpoint_name(cfg, path: str) -> str:
     return hf_decoder_name(cfg, path)
 
 
-# Not rl-bitwise yet: the router's torch tie-order leaf, trainer mode's routing of HF's MoE path and
-# the invariance / alignment harnesses on this family are still to come (issue #18).
+# rl-bitwise: the invariance harness passes at EP4 (tests/test_expert_parallel.py) and HF's forward
+# under trainer mode aligns bit for bit (tests/test_moe_align.py), on the CPU.
 EntryClass = ModelFamily(
     architecture=ARCHITECTURE, model_type="qwen3_moe",
-    profile=ModelProfile(ARCHITECTURE, frozenset(),
+    profile=ModelProfile(ARCHITECTURE, frozenset({"rl-bitwise"}),
                          "sparse MoE (softmax router, top-k SwiGLU experts); Qwen3 attention"),
     parse_config=parse_config, checkpoint_name=checkpoint_name, body="jengine.models.moe_decoder")

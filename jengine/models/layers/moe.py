@@ -27,7 +27,8 @@ HF differs in summation order: eager adds the k terms in ascending EXPERT id int
 the model dtype (a rounding per add); the default `grouped_mm` path sums slots in f32 with four
 interleaved accumulators (`(((w0+w4)+(w1+w5))+(w2+w6))+(w3+w7)` for k = 8, reference notes 5.4).
 Neither is slot order, so against stock HF the combine agrees within rounding, not bitwise; trainer
-mode must route HF's combine through this fold for bitwise agreement (not done here).
+mode replaces HF's experts forward with this block's path and fold (interop/trainer_mode.py), which
+aligns bitwise (tests/test_moe_align.py).
 """
 
 from __future__ import annotations
