@@ -132,9 +132,7 @@ def _multi_device(m, launch) -> bool:
 _APPLIES_TO: dict[str, tuple[str, Any]] = {
     "router_topk": ("MoE models", _is_moe),
     "moe_combine_order": ("MoE models", _is_moe),
-    # Not built yet (issue #18): the experts run through the model's GEMM plans, on one device.
-    "moe_backend": ("MoE expert backends (none is implemented: a MoE model's experts run through "
-                    "its GEMM plans)", lambda m, launch: False),
+    "moe_backend": ("MoE models", _is_moe),
     "enable_eplb": ("expert-parallel MoE launches (expert parallelism is not implemented)",
                     lambda m, launch: False),
     "mla_lora_scale": ("MLA models (kv_lora_rank > 0)", lambda m, launch: m.kv_lora_rank > 0),
@@ -177,7 +175,8 @@ def plan_launch(resolved: ResolvedLaunch, model_config: Any) -> LaunchPlan:
         rope_ramp_device=launch.yarn_ramp_mask_device,
         moe=MoEOptions(router_topk=launch.router_topk or SWITCH_DEFAULTS["router_topk"],
                        combine_order=launch.moe_combine_order
-                       or SWITCH_DEFAULTS["moe_combine_order"])
+                       or SWITCH_DEFAULTS["moe_combine_order"],
+                       backend=launch.moe_backend or SWITCH_DEFAULTS["moe_backend"])
         if _is_moe(model_config, launch) else None)
     max_context = min(launch.context_length or model_config.max_position_embeddings,
                       model_config.max_position_embeddings)

@@ -31,6 +31,7 @@ class MoEOptions:
 
     router_topk: str = "auto"       # --router-topk: "auto" (the registry's first) or a leaf name
     combine_order: str = "rank"     # --moe-combine-order: "rank" or "slot"
+    backend: str = "auto"           # --moe-backend: "batch_invariant", "portable" or "auto"
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,10 @@ class ModelKernels(dense.ModelKernels):
 
     router_topk: KernelPlan
     combine_order: str  # "slot" / "rank": the same fold on one device (jengine/models/layers/moe.py)
+    # --moe-backend, resolved: "batch_invariant" (each expert through the GEMM plans above, so a
+    # row's bits are those plans') or "portable" (one XLA einsum over the stacked experts: fast to
+    # compile, no batch-invariance claim). auto = batch_invariant when the launch requires it.
+    expert_backend: str
 
     @classmethod
     def plan_for(cls, *, dtype, hardware: str, features=frozenset(), head_dim: int | None = None,
@@ -53,11 +57,20 @@ class ModelKernels(dense.ModelKernels):
         except KernelPlanError as exc:
             raise KernelPlanError(f"--router-topk {moe.router_topk}: no eligible leaf of "
                                   f"moe.router_topk ({exc})") from None
+        backend = moe.backend
+        if backend == "auto":
+            backend = "batch_invariant" if "batch_invariant" in features else "portable"
+        if backend not in ("batch_invariant", "portable"):
+            raise ValueError(f"--moe-backend {moe.backend!r} is not one of auto, batch_invariant, "
+                             "portable")
+        if backend == "portable" and "batch_invariant" in features:
+            raise KernelPlanError("--moe-backend portable: its einsum declares no batch_invariant "
+                                  "feature, which this launch requires")
         return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
-                   router_topk=router, combine_order=moe.combine_order)
+                   router_topk=router, combine_order=moe.combine_order, expert_backend=backend)
 
     def describe(self) -> dict[str, str]:
-        return {f.name: (self.combine_order if f.name == "combine_order"
+        return {f.name: (getattr(self, f.name) if f.name in ("combine_order", "expert_backend")
                          else getattr(self, f.name).leaf.impl) for f in dataclasses.fields(self)}
 
 

@@ -108,9 +108,17 @@ class _Experts(nnx.Module):
             setattr(self, name, nnx.Param(source.place(specs[name])))
 
     def __call__(self, kern, x, *, dtype):
-        """Every expert on every row: [E, T, H]. The gate/up projections of all experts are one
-        grouped GEMM where the leaf has one; each output keeps the bits of its own gemm call."""
+        """Every expert on every row: [E, T, H]. batch_invariant: the gate/up projections of all
+        experts are one grouped GEMM where the leaf has one, each output keeping the bits of its
+        own gemm call, and down_proj one gemm per expert. portable: one XLA einsum per projection
+        over the stacked experts (--moe-backend portable; never under rl-bitwise)."""
         gate_w, up_w, down_w = self.gate_proj[...], self.up_proj[...], self.down_proj[...]
+        if kern.expert_backend == "portable":
+            def einsum(spec, a, b):
+                return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(dtype)
+
+            hidden = kern.silu(einsum("th,ehi->eti", x, gate_w)) * einsum("th,ehi->eti", x, up_w)
+            return einsum("eti,eih->eth", hidden, down_w)
         n = gate_w.shape[0]
         projections = kern.gemm_group(x, tuple(gate_w[e] for e in range(n))
                                       + tuple(up_w[e] for e in range(n)), None, out_dtype=dtype)
