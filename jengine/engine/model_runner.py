@@ -224,11 +224,15 @@ class ModelRunner:
         if self.mesh is None:
             return {"mesh": {"data": 1, "expert": 1, "tensor": 1}, "layout": "replicated"}
         if self._tp is None:  # expert parallelism alone: the experts split, the rest whole
-            return {"mesh": {str(k): int(v) for k, v in self.mesh.shape.items()},
-                    "layout": self._rules.layout,
-                    "projections": {"experts": "expert-parallel (whole experts per rank; slot "
-                                               "outputs moved by an all-gather)",
-                                    "everything else": "replicated"}}
+            out = {"mesh": {str(k): int(v) for k, v in self.mesh.shape.items()},
+                   "layout": self._rules.layout,
+                   "projections": {"experts": "expert-parallel (whole experts per rank; slot "
+                                              "outputs moved by an all-gather)",
+                                   "everything else": "replicated"}}
+            if self._eplb is not None:
+                out["eplb"] = {"physical_experts": self._eplb.num_physical,
+                               "rebalances": self.eplb_rebalances}
+            return out
         site = {True: "column-parallel on hidden (all-gather of the input, full-K GEMM)",
                 False: "row-parallel (cross-rank sum: " + self._tp.row_sum_route.path + ")"}
         kv = ("column-parallel (KV heads split)" if self._kv_head_replicas == 1 else
