@@ -23,6 +23,9 @@ rounding. On one device `rank` has a single rank's partial, which is the same fo
 same bits here; under --ep-size, `slot` moves each slot's output from its owner and folds exactly as
 on one device (EP-size invariant), while `rank` folds per-rank partials in rank order
 (sharding/expert_parallel.py).
+Under --enable-eplb the stacked experts are physical slots (a logical expert may have replicas) and
+a token's logical ids are dispatched to slots by the layer's `physical_to_logical` map, a step
+parameter (sharding/eplb.py); the routed ids exported stay logical.
 HF differs in summation order: eager adds the k terms in ascending EXPERT id into a running sum in
 the model dtype (a rounding per add); the default `grouped_mm` path sums slots in f32 with four
 interleaved accumulators (`(((w0+w4)+(w1+w5))+(w2+w6))+(w3+w7)` for k = 8, reference notes 5.4).
