@@ -78,6 +78,15 @@ class LaunchConfig:
     dp_size: int = _opt(1, "data-parallel replicas behind one server, each on its own "
                         "--tp-size devices (docs/serving.md)")
     ep_size: int = _opt(1, "expert parallel size (MoE families)")
+    ep_num_redundant_experts: int = _opt(0, "--enable-eplb: physical expert slots beyond the "
+                                         "logical experts (E + R slots per MoE layer, a multiple "
+                                         "of --ep-size)")
+    init_expert_location: str = _opt("trivial", "--enable-eplb: the initial placement, 'trivial' "
+                                     "(slot j holds expert j mod E) or a JSON file "
+                                     "{\"physical_to_logical\": [[...] per layer]}")
+    eplb_rebalance_num_iterations: int = _opt(0, "--enable-eplb: rebalance the experts every N "
+                                              "steps from the load measured since the last "
+                                              "(0: only when Engine.rebalance_experts() is called)")
     moe_tp_size: int = _opt(1, "MoE tensor parallel size")
 
     # -- scheduler and memory ------------------------------------------------------------------
@@ -122,6 +131,10 @@ def validate_choices(cfg: LaunchConfig, extra_numerics: tuple[str, ...] = ()) ->
         value = getattr(cfg, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name.replace('_', '-')}={value!r} must be a positive integer")
+    for name in ("ep_num_redundant_experts", "eplb_rebalance_num_iterations"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"--{name.replace('_', '-')}={value!r} must be an integer >= 0")
     if cfg.max_total_tokens is not None and cfg.max_total_tokens < cfg.page_size:
         raise ValueError(f"--max-total-tokens={cfg.max_total_tokens} is smaller than one page "
                          f"(--page-size={cfg.page_size})")

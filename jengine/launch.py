@@ -74,6 +74,15 @@ class RunnerConfig:
     # so each rank holds whole blocks, and the step scores without gathering logits.
     logprob_block_width: int | None = None
     ep_size: int = 1                           # the "expert" mesh axis (MoE families)
+    eplb: "EPLBOptions | None" = None           # --enable-eplb (sharding/eplb.py), else None
+
+
+@dataclass(frozen=True)
+class EPLBOptions:
+    """--enable-eplb's part of the runner (sharding/eplb.py)."""
+    num_physical: int              # P = E + --ep-num-redundant-experts slots per MoE layer
+    init_location: str             # --init-expert-location
+    rebalance_interval: int        # --eplb-rebalance-num-iterations (0: on request only)
 
 
 @dataclass(frozen=True)
@@ -133,8 +142,8 @@ _APPLIES_TO: dict[str, tuple[str, Any]] = {
     "router_topk": ("MoE models", _is_moe),
     "moe_combine_order": ("MoE models", _is_moe),
     "moe_backend": ("MoE models", _is_moe),
-    "enable_eplb": ("expert-parallel MoE launches (expert parallelism is not implemented)",
-                    lambda m, launch: False),
+    "enable_eplb": ("expert-parallel MoE launches (--ep-size > 1)",
+                    lambda m, launch: _is_moe(m, launch) and launch.ep_size > 1),
     "mla_lora_scale": ("MLA models (kv_lora_rank > 0)", lambda m, launch: m.kv_lora_rank > 0),
     "dsa_slot_order": ("DeepSeek sparse-attention models (none is implemented)",
                        lambda m, launch: False),
@@ -159,6 +168,29 @@ def refuse_inert_switches(resolved: ResolvedLaunch, model_config: Any) -> None:
                                 "only; drop it")
 
 
+_EPLB_ONLY = {"ep_num_redundant_experts": 0, "init_expert_location": "trivial",
+              "eplb_rebalance_num_iterations": 0}
+
+
+def _eplb_options(launch, model_config) -> EPLBOptions | None:
+    if not launch.enable_eplb:
+        for name, default in _EPLB_ONLY.items():
+            value = getattr(launch, name)
+            if value != default:
+                raise LaunchRefusal(f"--{name.replace('_', '-')} {value} has no effect on "
+                                    f"{model_config.architecture} with this launch: it acts with "
+                                    "--enable-eplb only; drop it")
+        return None
+    physical = model_config.num_experts + launch.ep_num_redundant_experts
+    if physical % launch.ep_size:
+        raise LaunchRefusal(f"--ep-num-redundant-experts {launch.ep_num_redundant_experts}: "
+                            f"num_experts {model_config.num_experts} + "
+                            f"{launch.ep_num_redundant_experts} = {physical} physical slots do not "
+                            f"split evenly over --ep-size {launch.ep_size}")
+    return EPLBOptions(num_physical=physical, init_location=launch.init_expert_location,
+                       rebalance_interval=launch.eplb_rebalance_num_iterations)
+
+
 def plan_launch(resolved: ResolvedLaunch, model_config: Any) -> LaunchPlan:
     """Check the model against the launch (once) and split the launch into its parts."""
     check_model(resolved, model_config)
@@ -167,6 +199,7 @@ def plan_launch(resolved: ResolvedLaunch, model_config: Any) -> LaunchPlan:
     if launch.ep_size > 1 and not _is_moe(model_config, launch):
         raise LaunchRefusal(f"--ep-size {launch.ep_size} has no effect on "
                             f"{model_config.architecture}: it splits a MoE model's experts")
+    eplb = _eplb_options(launch, model_config)
     model = ModelOptions(
         dtype=model_dtype_name(launch.dtype, model_config.torch_dtype),
         hardware=resolved.hardware, required_features=frozenset(resolved.required_features),
@@ -199,7 +232,7 @@ def plan_launch(resolved: ResolvedLaunch, model_config: Any) -> LaunchPlan:
                             batch_invariant_collectives=bool(launch.batch_invariant_collectives),
                             tp_batch_invariant=launch.tp_batch_invariant,
                             logprob_block_width=LOGPROB_ORDERS[launch.logprob_order][0],
-                            ep_size=launch.ep_size),
+                            ep_size=launch.ep_size, eplb=eplb),
         scheduler=scheduler,
         sampler=SamplerOptions(logprob_order=launch.logprob_order, hardware=resolved.hardware,
                                required_features=frozenset(resolved.required_features)),

@@ -39,7 +39,7 @@ from jengine.engine.kv_manager import KVManager
 from jengine.engine.step_executor import SegmentResult, execute_step
 from jengine.engine.output_processor import OutputProcessor, RequestState, StepOutput
 from jengine.engine.request import InvalidRequest, Req
-from jengine.engine.rl_control import RLControl
+from jengine.engine.rl_control import RLControl, _unwrap
 from jengine.engine.scheduler import Scheduler, Segment
 from jengine.launch import LaunchPlan
 
@@ -194,6 +194,12 @@ class Engine(RLControl):
 
     def flush_cache(self) -> bool:
         return bool(self._call("flush", None))
+
+    def rebalance_experts(self) -> dict[str, Any]:
+        """--enable-eplb: move every MoE layer's experts to the greedy placement of the load
+        measured since the last rebalance (sharding/eplb.py), between two steps; requests in
+        flight continue with the same bits. Returns {"load", "physical_to_logical"} per layer."""
+        return _unwrap(self._call("rebalance_experts", None))
 
     def stats(self) -> dict[str, Any]:
         with self._cv:
@@ -388,6 +394,8 @@ class Engine(RLControl):
             elif op == "flush":
                 self.scheduler.flush_cache()
                 box["result"] = True
+            elif op == "rebalance_experts":
+                box["result"] = self.runner.rebalance_experts()
             elif op == "swap":
                 self._queue_swap(arg, box)
                 return  # the caller is released when the swap is applied

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import re
 import time
 
 import jax
@@ -44,6 +45,7 @@ from jengine.models.registry import get_family
 from pallas_kernels.fixed_order import next_pow2
 from sharding.mesh import make_mesh
 from sharding.rules import check_divisible, layout_for, logical_to_spec, param_placement, rules_for
+from sharding import eplb
 from sharding.expert_parallel import ExpertParallel
 from sharding.tensor_parallel import TensorParallel, head_padding, kv_head_replicas
 from sharding.vocab_parallel import make_vocab_parallel_head
@@ -51,6 +53,8 @@ from sharding.vocab_parallel import make_vocab_parallel_head
 logger = logging.getLogger(__name__)
 
 MIN_TOKEN_BUCKET = 16
+# A MoE layer's placement map or expert weights in the flat parameter tuple (EPLB)
+_MOE_LEAF = re.compile(r"\['layers'\]\[(\d+)\]\['mlp'\]\['(physical_to_logical|experts)'\]")
 MIN_LOGIT_BUCKET = 8
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
@@ -96,6 +100,11 @@ class ModelRunner:
                 kv_head_replicas=self._kv_head_replicas)
         if self.mesh is not None:
             self._placement = param_placement(self.mesh, self._rules)
+        self._eplb = cfg.eplb
+        # --enable-eplb: each MoE layer's physical_to_logical map, int32[layers, P] (sharding/eplb.py)
+        self.expert_placement = None if cfg.eplb is None else eplb.initial_placement(
+            cfg.eplb.init_location, layers=model_config.num_hidden_layers,
+            num_experts=model_config.num_experts, num_physical=cfg.eplb.num_physical)
         self._head_pad = 0 if self._tp is None else head_padding(
             model_config.vocab_size, cfg.tp_size, cfg.logprob_block_width)
         with jax.default_device(self._home):
@@ -113,6 +122,8 @@ class ModelRunner:
                                 if jax.tree_util.keystr(path).startswith("['lm_head']['weight']"))
         self._params = self._finish_params(tuple(self._params))
         self._host_params: tuple | None = None  # while the weights are released (release_weights)
+        if self._eplb is not None:
+            self._init_eplb(state)
 
         kv = cfg.kv
         self.page_size = kv.page_size
@@ -192,6 +203,8 @@ class ModelRunner:
         tp = {} if self._tp is None else {"tensor_parallel": self._tp}
         if self._ep is not None:
             tp["expert_parallel"] = self._ep
+        if self.expert_placement is not None:
+            tp["expert_placement"] = self.expert_placement
         return self.family.build(self.model_config,
                                  weight_source(weights, placement=self._placement),
                                  dtype=self.dtype, kernels=self.kernels,
@@ -211,11 +224,15 @@ class ModelRunner:
         if self.mesh is None:
             return {"mesh": {"data": 1, "expert": 1, "tensor": 1}, "layout": "replicated"}
         if self._tp is None:  # expert parallelism alone: the experts split, the rest whole
-            return {"mesh": {str(k): int(v) for k, v in self.mesh.shape.items()},
-                    "layout": self._rules.layout,
-                    "projections": {"experts": "expert-parallel (whole experts per rank; slot "
-                                               "outputs moved by an all-gather)",
-                                    "everything else": "replicated"}}
+            out = {"mesh": {str(k): int(v) for k, v in self.mesh.shape.items()},
+                   "layout": self._rules.layout,
+                   "projections": {"experts": "expert-parallel (whole experts per rank; slot "
+                                              "outputs moved by an all-gather)",
+                                   "everything else": "replicated"}}
+            if self._eplb is not None:
+                out["eplb"] = {"physical_experts": self._eplb.num_physical,
+                               "rebalances": self.eplb_rebalances}
+            return out
         site = {True: "column-parallel on hidden (all-gather of the input, full-K GEMM)",
                 False: "row-parallel (cross-rank sum: " + self._tp.row_sum_route.path + ")"}
         kv = ("column-parallel (KV heads split)" if self._kv_head_replicas == 1 else
@@ -358,10 +375,67 @@ class ModelRunner:
         positions[:t] = batch.positions
         token_req[:t] = batch.token_req
         block_tables[:r, :p] = batch.block_tables
+        if self._eplb is not None and self._eplb.rebalance_interval and \
+                self.eplb_steps >= self._eplb.rebalance_interval:
+            self.rebalance_experts()
         pool = self.kv_pool
         hidden, pool.arrays, *routed = self._forward(self._params, pool.arrays, input_ids,
                                                      positions, token_req, block_tables)
+        if self._eplb is not None:
+            self._expert_load = self._count_load(self._expert_load, routed[0], np.int32(t))
+            self.eplb_steps += 1
         return hidden, (routed[0] if routed else None)
+
+    # -- EPLB (sharding/eplb.py) --------------------------------------------------------------------
+    def _init_eplb(self, state) -> None:
+        """Find each MoE layer's map and expert weights in the flat parameter tuple."""
+        self._eplb_slots = {}  # layer -> (index of its map, indices of its 3 expert weights)
+        for i, (path, _) in enumerate(jax.tree.flatten_with_path(state)[0]):
+            m = _MOE_LEAF.match(jax.tree_util.keystr(path))
+            if m:
+                layer = self._eplb_slots.setdefault(int(m.group(1)), [None, []])
+                if m.group(2) == "physical_to_logical":
+                    layer[0] = i
+                else:
+                    layer[1].append(i)
+        self._count_load = jax.jit(eplb.count_load)
+        self._reset_load()
+        self.eplb_rebalances = 0
+
+    def _reset_load(self) -> None:
+        self._expert_load = jnp.zeros((self.model_config.num_hidden_layers,
+                                       self.model_config.num_experts), jnp.int32)
+        self.eplb_steps = 0
+
+    def expert_load(self) -> np.ndarray:
+        """Routed (row, slot) pairs per logical expert, int[layers, E], since the last rebalance."""
+        return np.asarray(self._expert_load)
+
+    def rebalance_experts(self, placement=None) -> dict:
+        """Move each MoE layer to `placement` (int32[layers, P]; default: `balanced_placement` of
+        the measured load), between steps. New arrays of the old shapes and placements: the slots'
+        weights re-gathered on the device, the maps swapped in; no step program is compiled."""
+        if self._eplb is None:
+            raise ValueError("rebalance_experts: this launch has no --enable-eplb")
+        load = self.expert_load()
+        if placement is None:
+            placement = self.expert_placement.copy()
+            for layer in self._eplb_slots:
+                placement[layer] = eplb.balanced_placement(load[layer], self._eplb.num_physical,
+                                                           self._ep.size)
+        params = list(self._live_params())
+        for layer, (map_index, weights) in self._eplb_slots.items():
+            new = eplb.check_placement(placement[layer], self.model_config.num_experts,
+                                       self._eplb.num_physical, f"layer {layer}")
+            src = eplb.source_slots(self.expert_placement[layer], new)
+            for i in weights:
+                params[i] = eplb.gather_slots(params[i], src)
+            params[map_index] = jax.device_put(new, params[map_index].sharding)
+        self.swap_params(tuple(params))
+        self.expert_placement = np.asarray(placement, np.int32)
+        self.eplb_rebalances += 1
+        self._reset_load()
+        return {"load": load.tolist(), "physical_to_logical": self.expert_placement.tolist()}
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """[n, H] -> [n, V] float32, computed in a padded bucket (rows are independent)."""

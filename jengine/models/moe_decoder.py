@@ -82,16 +82,20 @@ class MoEDecoder(dense.DenseDecoder):
     mlp_for = staticmethod(moe_mlp)
 
     def __init__(self, cfg, specs, source, *, tensor_parallel=None, expert_parallel=None,
-                 **options):
+                 expert_placement=None, **options):
         """expert_parallel: a sharding.expert_parallel.ExpertParallel when the forward runs as one
-        rank's shard inside shard_map with the experts split (--ep-size), else None."""
+        rank's shard inside shard_map with the experts split (--ep-size), else None.
+        expert_placement: under --enable-eplb, int32[layers, P]: each sparse layer's
+        physical_to_logical map (sharding/eplb.py; dense layers' rows unused), else None."""
         if tensor_parallel is not None:
             raise ValueError(f"{cfg.architecture}: tensor parallelism of MoE models is not "
                              "implemented (launch with --tp-size 1)")
         super().__init__(cfg, specs, source, **options)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.ep = expert_parallel
+                if expert_placement is not None:
+                    layer.mlp.place_experts(expert_placement[i])
 
     @property
     def routing_shape(self) -> tuple[int, int]:

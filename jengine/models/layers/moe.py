@@ -23,6 +23,9 @@ rounding. On one device `rank` has a single rank's partial, which is the same fo
 same bits here; under --ep-size, `slot` moves each slot's output from its owner and folds exactly as
 on one device (EP-size invariant), while `rank` folds per-rank partials in rank order
 (sharding/expert_parallel.py).
+Under --enable-eplb the stacked experts are physical slots (a logical expert may have replicas) and
+a token's logical ids are dispatched to slots by the layer's `physical_to_logical` map, a step
+parameter (sharding/eplb.py); the routed ids exported stay logical.
 HF differs in summation order: eager adds the k terms in ascending EXPERT id into a running sum in
 the model dtype (a rounding per add); the default `grouped_mm` path sums slots in f32 with four
 interleaved accumulators (`(((w0+w4)+(w1+w5))+(w2+w6))+(w3+w7)` for k = 8, reference notes 5.4).
@@ -35,6 +38,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from flax import nnx
+
+from sharding import eplb
 
 from jengine.models.layers.linear import Linear
 from jengine.models.layers.param import ParamSpec
@@ -60,6 +65,16 @@ class SparseMoE(nnx.Module):
         self.experts = _Experts(specs["experts"], source)
         # sharding.expert_parallel.ExpertParallel under --ep-size (set by the MoE body), else None
         self.ep = None
+        # Under --enable-eplb the experts are physical slots and this is their map (place_experts)
+        self.physical_to_logical = None
+
+    def place_experts(self, p2l) -> None:
+        """Hold the physical slots of the map int32[P] (sharding/eplb.py): slot j = logical
+        expert p2l[j]'s weights, gathered from the logical ones on their own sharding."""
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            param = getattr(self.experts, name)
+            param.value = eplb.gather_slots(param[...], jnp.asarray(p2l, jnp.int32))
+        self.physical_to_logical = nnx.data(nnx.Variable(jnp.asarray(p2l, jnp.int32)))
 
     def __call__(self, kern, x, *, dtype, tp=None):
         """x [T, H] -> [T, H] in `dtype`. kern: the MoE body's kernel set (router_topk plan)."""
@@ -73,14 +88,17 @@ class SparseMoE(nnx.Module):
                              "expert parallelism is issue #18's later part)")
         ids, weights = self.route(kern, x, dtype=dtype)
         per_expert = self.experts(kern, x, dtype=dtype)          # [E (this rank's), T, H]
+        slots = ids                                               # rows of per_expert to take
+        if self.physical_to_logical is not None:  # EPLB: a replica of each logical expert
+            slots = eplb.dispatch(ids, self.physical_to_logical[...])
         if self.ep is not None and kern.combine_order == "rank":
-            return self.ep.rank_combine(per_expert, ids,
+            return self.ep.rank_combine(per_expert, slots,
                                         lambda out: out * weights[:, :, None]).astype(dtype), ids
         if self.ep is None:
             rows = jnp.arange(x.shape[0])[:, None]
-            selected = per_expert[ids, rows]                    # [T, k, H]: slot s = expert ids[:, s]
+            selected = per_expert[slots, rows]                  # [T, k, H]: slot s = expert ids[:, s]
         else:  # the same [T, k, H], moved from the experts' owners (bytes only)
-            selected = self.ep.slot_outputs(per_expert, ids)
+            selected = self.ep.slot_outputs(per_expert, slots)
         scaled = selected * weights[:, :, None]                 # rounded to dtype, as HF
         return slot_order_sum(scaled).astype(dtype), ids
 
