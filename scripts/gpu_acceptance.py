@@ -226,8 +226,14 @@ def run_case(case: str, work: Path, max_len: int, lines: list[str]) -> dict:
     t0 = time.perf_counter()
     model = build_model(work / case, arch, dims, seed=len(case))
     seqs = sequences(work / case, case, dims["vocab_size"], max_len, seed=len(case))
+    # Progress with elapsed seconds: a step killed by its time limit still says how far it got.
+    progress = lambda what: print(f"{case}: {what} at {time.perf_counter() - t0:.0f} s",  # noqa: E731
+                                  flush=True)
+    progress(f"checkpoint written, sequences {[len(s) for s, _ in seqs]}")
     trainer = trainer_records(model, seqs, stock=False)
+    progress("trainer-mode dump")
     stock = trainer_records(model, seqs, stock=True)[VARIANTS[0]]
+    progress("stock-torch dump")
     finding = rope_finding(case, arch, dims)
     del model
     torch.cuda.empty_cache()
@@ -245,6 +251,7 @@ def run_case(case: str, work: Path, max_len: int, lines: list[str]) -> dict:
             ok = run_alignment(eng, trainer[(form, block)], self_consistency=True, bisect=True,
                                out=out.append)
             result["variants"][order] = {"ok": ok, "report": out}
+            progress(f"engine --logprob-order {order}: {'MATCH' if ok else 'FAIL'}")
             lines.append(f"### {case} {arch} --logprob-order {order}: {'PASS' if ok else 'FAIL'}")
             lines += [f"    {line}" for line in out]
         eng.sampler = Sampler(dataclasses.replace(eng.plan.sampler, logprob_order="blockwise"),
