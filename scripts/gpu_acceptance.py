@@ -1,8 +1,8 @@
 """Trainer alignment at production widths on the GPU: the acceptance step of docs/gpu-validation.md.
 
-    python3 scripts/gpu_acceptance.py --out DIR [--cases llama llama31 qwen3 qwen2 qwen3moe] [--max-len 4096]
+    python3 scripts/gpu_acceptance.py --out DIR [--cases llama ... qwen3moe] [--max-len 4096]
     python3 scripts/gpu_acceptance.py --out DIR --smoke   # the plumbing on a CPU: small widths
-    python3 scripts/gpu_acceptance.py --out DIR --small --cases qwen3moe   # the same (--small = --smoke)
+    python3 scripts/gpu_acceptance.py --out DIR --small --cases qwen3moe   # --small = --smoke
 
 (scripts/gpu_run.sh step `acceptance` installs the carried jax-triton wheel and runs it.)
 
@@ -99,7 +99,8 @@ def build_model(directory: Path, arch: str, dims: dict, seed: int):
     directory.mkdir(parents=True, exist_ok=True)
     special = write_tiny_tokenizer(directory)
     cfg = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
-        **{**WIDTHS, **dims}, eos_token_id=special[tiny.IM_END], pad_token_id=special[tiny.ENDOFTEXT],
+        **{**WIDTHS, **dims}, eos_token_id=special[tiny.IM_END],
+        pad_token_id=special[tiny.ENDOFTEXT],
         bos_token_id=None, architectures=[arch], dtype="bfloat16",
         **({"attention_bias": False} if arch != "Qwen2ForCausalLM" else {}))
     with torch.device(DEVICE):
@@ -226,9 +227,11 @@ def run_case(case: str, work: Path, max_len: int, lines: list[str]) -> dict:
     t0 = time.perf_counter()
     model = build_model(work / case, arch, dims, seed=len(case))
     seqs = sequences(work / case, case, dims["vocab_size"], max_len, seed=len(case))
+
     # Progress with elapsed seconds: a step killed by its time limit still says how far it got.
-    progress = lambda what: print(f"{case}: {what} at {time.perf_counter() - t0:.0f} s",  # noqa: E731
-                                  flush=True)
+    def progress(what: str) -> None:
+        print(f"{case}: {what} at {time.perf_counter() - t0:.0f} s", flush=True)
+
     progress(f"checkpoint written, sequences {[len(s) for s, _ in seqs]}")
     trainer = trainer_records(model, seqs, stock=False)
     progress("trainer-mode dump")
