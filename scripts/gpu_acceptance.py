@@ -1,7 +1,8 @@
 """Trainer alignment at production widths on the GPU: the acceptance step of docs/gpu-validation.md.
 
-    python3 scripts/gpu_acceptance.py --out DIR [--cases llama llama31 qwen3 qwen2] [--max-len 4096]
+    python3 scripts/gpu_acceptance.py --out DIR [--cases llama ... qwen3moe] [--max-len 4096]
     python3 scripts/gpu_acceptance.py --out DIR --smoke   # the plumbing on a CPU: small widths
+    python3 scripts/gpu_acceptance.py --out DIR --small --cases qwen3moe   # --small = --smoke
 
 (scripts/gpu_run.sh step `acceptance` installs the carried jax-triton wheel and runs it.)
 
@@ -12,8 +13,12 @@ hidden 4096, 32 query / 8 KV heads, head_dim 128, the real vocabularies:
   llama31  the same with Llama-3.1 rope scaling (llama3: factor 8, low 1, high 4, original 8192)
   qwen3    Qwen3ForCausalLM (q/k norm), intermediate 12288, vocab 151936
   qwen2    Qwen2ForCausalLM (q/k/v bias), intermediate 18944, vocab 152064
+  qwen3moe Qwen3MoeForCausalLM at Qwen3-30B-A3B's widths: hidden 2048, 32 query / 4 KV heads,
+           64 experts, top-8 (norm_topk_prob), moe_intermediate_size 768, vocab 151936;
+           both layers sparse. The trainer's experts run under trainer mode's expert path.
 
-Sequences: random ids of 7, 64, 333, 1000 and --max-len tokens, and a chat-template conversation.
+Sequences: random ids of 7, 64, 333, 1000 and --max-len tokens, and a chat-template conversation;
+for qwen3moe only random ids of 1100 and 2048 tokens (`LENGTHS`: the step stays under 5 minutes).
 The trainer is HF transformers' own forward on CUDA under trainer mode (the Triton twins); its
 logprobs are written in all four forms the engine offers (neg-ce / direct x 32768 / 16384 blocks).
 The engine (one rl-bitwise Engine per case; the sampler is re-planned per logprob order, which
@@ -55,7 +60,23 @@ CASES = {
     "qwen2": ("Qwen2ForCausalLM", dict(intermediate_size=18944, vocab_size=152064,
                                        tie_word_embeddings=False,
                                        rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "qwen3moe": ("Qwen3MoeForCausalLM", dict(hidden_size=2048, num_key_value_heads=4,
+                                             num_experts=64, num_experts_per_tok=8,
+                                             moe_intermediate_size=768, norm_topk_prob=True,
+                                             intermediate_size=6144, vocab_size=151936,
+                                             tie_word_embeddings=False,
+                                             rope_parameters={"rope_type": "default",
+                                                              "rope_theta": 1e6})),
 }
+# Per case, its sequences' lengths where they are not the dense default (7, 64, 333, 1000, --max-len
+# and the chat). The engine runs every expert on every row (E/k = 8x the routed FLOPs) and the
+# trainer loops over the experts: two sequences past 1k tokens, no chat, keep the step short.
+LENGTHS = {"qwen3moe": (1100, 2048)}
+# --smoke / --small: CPU widths, one vocabulary block, short sequences; every case takes the
+# fields it has.
+SMOKE = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, intermediate_size=512,
+             num_experts=16, moe_intermediate_size=64, vocab_size=32768)
+SMOKE_LENGTHS = {"qwen3moe": (37, 70)}
 VARIANTS = [("neg-ce", 32768), ("direct", 32768), ("neg-ce", 16384), ("direct", 16384)]
 CHAT = [{"role": "system", "content": "You are a numerical analyst."},
         {"role": "user", "content": " ".join(f"Question {i}: why is the fp32 fold of block partials "
@@ -78,7 +99,8 @@ def build_model(directory: Path, arch: str, dims: dict, seed: int):
     directory.mkdir(parents=True, exist_ok=True)
     special = write_tiny_tokenizer(directory)
     cfg = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
-        **WIDTHS, **dims, eos_token_id=special[tiny.IM_END], pad_token_id=special[tiny.ENDOFTEXT],
+        **{**WIDTHS, **dims}, eos_token_id=special[tiny.IM_END],
+        pad_token_id=special[tiny.ENDOFTEXT],
         bos_token_id=None, architectures=[arch], dtype="bfloat16",
         **({"attention_bias": False} if arch != "Qwen2ForCausalLM" else {}))
     with torch.device(DEVICE):
@@ -96,13 +118,16 @@ def build_model(directory: Path, arch: str, dims: dict, seed: int):
     return model.eval()
 
 
-def sequences(directory: Path, vocab: int, max_len: int, seed: int) -> list[tuple[list[int], int | None]]:
+def sequences(directory: Path, case: str, vocab: int, max_len: int,
+              seed: int) -> list[tuple[list[int], int | None]]:
     import numpy as np
 
     from interop.trainer_dump import parse_input_line
     from jengine.models.tokenizer import Tokenizer
 
     rng = np.random.default_rng(seed)
+    if case in LENGTHS:
+        return [(rng.integers(0, vocab, n).tolist(), None) for n in LENGTHS[case]]
     out = [(rng.integers(0, vocab, n).tolist(), None) for n in (7, 64, 333, 1000, max_len)]
     chat = parse_input_line({"messages": CHAT}, "chat", Tokenizer.from_dir(directory))
     return out + [(chat.ids, chat.prompt_len)]
@@ -110,6 +135,8 @@ def sequences(directory: Path, vocab: int, max_len: int, seed: int) -> list[tupl
 
 def trainer_records(model, seqs, *, stock: bool) -> dict:
     """{(form, block): [dump records]} from one forward per sequence."""
+    import contextlib
+
     import torch
 
     from interop import trainer_mode
@@ -121,12 +148,16 @@ def trainer_records(model, seqs, *, stock: bool) -> dict:
     records = {v: [] for v in variants}
     mode = None if stock else trainer_mode.enable(model, device=DEVICE)
     table = plan_twin_table(DEVICE)
+    # Named states (interop/states.py) name a dense layer's ops; a MoE layer has none of them.
+    moe = getattr(model.config, "num_experts", 0) > 0
     try:
         for ids, prompt_len in seqs:
             t = torch.tensor(ids, dtype=torch.long, device=DEVICE)[None]
             with torch.no_grad():
                 # Named states of the first 64 positions, for --bisect should a sequence mismatch.
-                with capture_hf_states(model, min(64, len(ids))) as states:
+                capture = (contextlib.nullcontext({}) if moe
+                           else capture_hf_states(model, min(64, len(ids))))
+                with capture as states:
                     logits = model(t, use_cache=False).logits[0]
                 for form, block in variants:
                     lp = token_logprobs(logits[:-1], t[0, 1:], form=form, block_size=block, table=table)
@@ -135,7 +166,7 @@ def trainer_records(model, seqs, *, stock: bool) -> dict:
                            "commit": "scripts/gpu_acceptance.py"}
                     if prompt_len:
                         rec["prompt_len"] = prompt_len
-                    if not stock:
+                    if not stock and states:
                         rec["states"] = dict(states)
                     records[(form, block)].append(rec)
             del logits
@@ -146,6 +177,9 @@ def trainer_records(model, seqs, *, stock: bool) -> dict:
             print(summary, flush=True)
             if mode.fallbacks:
                 raise RuntimeError(f"trainer mode fell back to torch kernels: {summary}")
+    # Unrouted experts would run HF's grouped_mm, which trainer mode does not count as a fallback.
+    if mode is not None and moe and not mode.routed["moe_experts"]:
+        raise RuntimeError(f"trainer mode did not route the MoE experts: {summary}")
     return records
 
 
@@ -161,7 +195,7 @@ def rope_finding(case: str, arch: str, dims: dict) -> str:
     from jengine.models.layers.rope import inv_freq_and_scaling
 
     rope = dims["rope_parameters"]
-    cfg = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**WIDTHS, **dims)
+    cfg = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**{**WIDTHS, **dims})
     with trainer_mode.enable(device=DEVICE):  # HF's own function on CUDA, pow routed to XLA's
         if rope["rope_type"] == "default":
             exponent = torch.arange(0, 128, 2, dtype=torch.int64, device=DEVICE).float() / 128
@@ -192,9 +226,17 @@ def run_case(case: str, work: Path, max_len: int, lines: list[str]) -> dict:
     arch, dims = CASES[case]
     t0 = time.perf_counter()
     model = build_model(work / case, arch, dims, seed=len(case))
-    seqs = sequences(work / case, dims["vocab_size"], max_len, seed=len(case))
+    seqs = sequences(work / case, case, dims["vocab_size"], max_len, seed=len(case))
+
+    # Progress with elapsed seconds: a step killed by its time limit still says how far it got.
+    def progress(what: str) -> None:
+        print(f"{case}: {what} at {time.perf_counter() - t0:.0f} s", flush=True)
+
+    progress(f"checkpoint written, sequences {[len(s) for s, _ in seqs]}")
     trainer = trainer_records(model, seqs, stock=False)
+    progress("trainer-mode dump")
     stock = trainer_records(model, seqs, stock=True)[VARIANTS[0]]
+    progress("stock-torch dump")
     finding = rope_finding(case, arch, dims)
     del model
     torch.cuda.empty_cache()
@@ -212,6 +254,7 @@ def run_case(case: str, work: Path, max_len: int, lines: list[str]) -> dict:
             ok = run_alignment(eng, trainer[(form, block)], self_consistency=True, bisect=True,
                                out=out.append)
             result["variants"][order] = {"ok": ok, "report": out}
+            progress(f"engine --logprob-order {order}: {'MATCH' if ok else 'FAIL'}")
             lines.append(f"### {case} {arch} --logprob-order {order}: {'PASS' if ok else 'FAIL'}")
             lines += [f"    {line}" for line in out]
         eng.sampler = Sampler(dataclasses.replace(eng.plan.sampler, logprob_order="blockwise"),
@@ -236,15 +279,17 @@ def main(argv=None) -> int:
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--max-len", type=int, default=4096)
     p.add_argument("--work", default="/tmp/acceptance")
-    p.add_argument("--smoke", action="store_true", help="CPU, hidden 256 / 2 query heads: the "
-                   "script's plumbing only, no evidence")
+    p.add_argument("--smoke", "--small", action="store_true", help="CPU, hidden 256 / 2 query "
+                   "heads, 16 experts, vocab 32768, short MoE sequences: the script's plumbing and "
+                   "the CPU alignment, no GPU evidence")
     args = p.parse_args(argv)
     if args.smoke:
         global DEVICE
         DEVICE = "cpu"
-        WIDTHS.update(hidden_size=256, num_attention_heads=2, num_key_value_heads=1)
+        WIDTHS.update({k: v for k, v in SMOKE.items() if k in WIDTHS})
         for _, dims in CASES.values():
-            dims["intermediate_size"] = 512
+            dims.update({k: v for k, v in SMOKE.items() if k in dims})
+        LENGTHS.update(SMOKE_LENGTHS)
     from interop import trainer_mode
 
     trainer_mode.ensure_xla_environment()  # the engine's XLA flags, before JAX starts
@@ -273,8 +318,32 @@ def main(argv=None) -> int:
         all_ok &= case_ok
         (out / "acceptance.json").write_text(json.dumps(results, indent=1, default=str))
         (out / "acceptance.md").write_text("\n".join(lines) + "\n")
+    table = summary_table(results)
+    (out / "acceptance.md").write_text("\n".join(lines + [""] + table) + "\n")
+    print("\n".join(table), flush=True)
+    print(json.dumps({"acceptance": "PASS" if all_ok else "FAIL", "cases": {
+        r["case"]: r.get("error") or {"variants": {o: v["ok"] for o, v in r["variants"].items()},
+                                      "stock_mismatched": r["negative_control"]["mismatched"],
+                                      "lengths": r["lengths"], "seconds": r["seconds"]}
+        for r in results}}), flush=True)
     print(f"acceptance: {'PASS' if all_ok else 'FAIL'}", flush=True)
     return 0 if all_ok else 1
+
+
+def summary_table(results: list[dict]) -> list[str]:
+    """One row per case: each logprob order MATCH or FAIL, the stock control MISMATCH (expected)."""
+    orders = [o for r in results if "error" not in r for o in r["variants"]][:len(VARIANTS)]
+    rows = [f"| case | lengths | {' | '.join(orders)} | stock torch (must mismatch) | s |",
+            "|---" * (len(orders) + 4) + "|"]
+    for r in results:
+        if "error" in r:
+            rows.append(f"| {r['case']} | ERROR {r['error'][:80]} |")
+            continue
+        cells = ["MATCH" if r["variants"][o]["ok"] else "FAIL" for o in orders]
+        stock = "MISMATCH" if r["negative_control"]["mismatched"] else "MATCH (FAIL)"
+        rows.append(f"| {r['case']} | {r['lengths']} | {' | '.join(cells)} | {stock} | "
+                    f"{r['seconds']} |")
+    return rows
 
 
 if __name__ == "__main__":

@@ -29,7 +29,9 @@
 #   align_<Arch>   scripts/gpu_align.sh for one family, e.g. align_LlamaForCausalLM
 #   accept_<case>  scripts/gpu_acceptance.py for one case (llama, llama31, qwen3, qwen2): trainer
 #                  alignment at production widths, four logprob forms, stock-torch control
-#   acceptance     all four cases (longer than one device call allows: use accept_<case> steps)
+#   accept_qwen3moe  the same for Qwen3-MoE at Qwen3-30B-A3B's widths (64 experts, top-8, 2 layers,
+#                  sequences of 1100 and 2048 tokens), under 5 minutes
+#   acceptance     all five cases (longer than one device call allows: use accept_<case> steps)
 #   goldens_record scripts/goldens.py record: tiny, families and production-width goldens on the
 #                  GPU (ids + logprob bits, trainer dumps on CUDA) -> $out/h200.json
 #   goldens_check  scripts/goldens.py check tests/goldens/h200.json: every bit unchanged
@@ -91,6 +93,7 @@ for s in "$@"; do
     router_topk) step router_topk 300 python3 scripts/gpu_router_topk.py --experts 8 128 --ks 1 2 4 8 32 64 --out "$out/router_topk" ;;
     router_topk_full) step router_topk_full 590 python3 scripts/gpu_router_topk.py --out "$out/router_topk" ;;
     align_*) step "$s" 150 bash scripts/gpu_align.sh "$out/$s" "${s#align_}" ;;
+    accept_qwen3moe) step "$s" 300 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases qwen3moe ;;
     accept_*) step "$s" 420 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases "${s#accept_}" ;;
     acceptance) step acceptance 1500 python3 scripts/gpu_acceptance.py --out "$out/acceptance" ;;
     goldens_record) step goldens_record 560 python3 scripts/goldens.py record --sections tiny families production --device cuda --out "$out/h200.json" ;;
