@@ -21,6 +21,7 @@ def probe():
     return run_probe("eplb_probe.py")
 
 
+@pytest.mark.slow  # the 8-device EPLB engines (~50 s on 2 cores): run with -m slow
 def test_a_rebalance_changes_no_bit_and_matches_ep1(probe):
     """Greedy and seeded T=1, with prompt and output logprobs: the EP4 engine rebalancing every 3
     steps (requests in flight) and once between requests gives the EP1 engine's ids and bits."""
@@ -29,6 +30,7 @@ def test_a_rebalance_changes_no_bit_and_matches_ep1(probe):
     assert all(case["output_token_logprobs"] for case in probe["ep1"].values())
 
 
+@pytest.mark.slow  # the 8-device EPLB engines (~50 s on 2 cores): run with -m slow
 def test_the_placement_really_changed(probe):
     maps = probe["eplb_maps"]
     assert probe["physical_slots"] == 12                       # 8 experts + 4 redundant
@@ -37,6 +39,7 @@ def test_the_placement_really_changed(probe):
     assert probe["eplb_rebalances"] > 2                         # more than one mid-request
 
 
+@pytest.mark.slow  # the 8-device EPLB engines (~50 s on 2 cores): run with -m slow
 def test_a_rebalance_compiles_no_step_program(probe):
     """Every prompt fits the same step buckets: the count after the first request (and the
     rebalances during it) is the count at the end, after a dozen more rebalances."""
@@ -44,6 +47,7 @@ def test_a_rebalance_compiles_no_step_program(probe):
     assert first == last > 0
 
 
+@pytest.mark.slow  # the 8-device EPLB engines (~50 s on 2 cores): run with -m slow
 def test_rank_combine_control_changes_bits(probe):
     """The rank-order combine folds per-rank partials: a new placement re-associates the sum, so
     the same request's logprob bits change (which is why rl-bitwise refuses it with EPLB)."""

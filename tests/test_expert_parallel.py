@@ -12,6 +12,12 @@ def probe():
     return run_probe("ep_probe.py")
 
 
+@pytest.fixture(scope="module")
+def harness():
+    """The invariance harness at EP4: two more MoE engines (~80 s on 2 cores), so `-m slow`."""
+    return run_probe("ep_probe.py", "harness")["harness"]
+
+
 def test_experts_are_split_over_the_expert_axis(probe):
     run = probe["slot_ep4"]
     assert run["expert_weight_spec"] == "P('expert', None, None)"
@@ -36,13 +42,15 @@ def test_rank_combine_is_batch_invariant_but_not_ep_invariant(probe):
     assert run["batch_differing"] == 0
 
 
-def test_invariance_harness_at_ep4(probe):
-    run = probe["harness"]["rl-bitwise ep4"]
+@pytest.mark.slow
+def test_invariance_harness_at_ep4(harness):
+    run = harness["rl-bitwise ep4"]
     assert run["modes"] == ["packed", "prefix-hit", "rerun"] and run["compared_values"] > 0
     assert run["divergences"] == [], run["table"]
 
 
-def test_invariance_harness_auto_control_at_ep4(probe):
-    run = probe["harness"]["auto ep4 f32"]
+@pytest.mark.slow
+def test_invariance_harness_auto_control_at_ep4(harness):
+    run = harness["auto ep4 f32"]
     assert run["compared_values"] > 0
     assert run["divergences"], run["table"]
