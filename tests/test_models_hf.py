@@ -87,16 +87,20 @@ def _both_logits(tmp_path_factory, family, dtype, seed):
     return model, runner, ids, _prefill_logits(runner, ids), ref
 
 
+def hf_greedy(model, prompt, n: int) -> list[int]:
+    """HF transformers' own greedy continuation of `prompt`, exactly n tokens."""
+    with torch.no_grad():
+        return model.generate(torch.tensor(prompt)[None], max_new_tokens=n, do_sample=False,
+                              min_new_tokens=n)[0, len(prompt):].tolist()
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_fp32_logits_and_greedy_match_hf(tmp_path_factory, family):
     model, runner, ids, ours, ref = _both_logits(tmp_path_factory, family, "float32", seed=1)
     np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
 
     prompt = ids[:8]
-    with torch.no_grad():
-        hf = model.generate(torch.tensor(prompt)[None], max_new_tokens=16, do_sample=False,
-                            min_new_tokens=16)[0, len(prompt):].tolist()
-    assert _greedy(runner, prompt, 16) == hf
+    assert _greedy(runner, prompt, 16) == hf_greedy(model, prompt, 16)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

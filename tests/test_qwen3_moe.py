@@ -35,7 +35,7 @@ from jengine.models.moe_decoder import ModelKernels  # noqa: E402
 from jengine.numerics import resolve_launch  # noqa: E402
 from pallas_kernels.fixed_order import sequential_dot  # noqa: E402
 from pallas_kernels.registry import REGISTRY, KernelPlanError  # noqa: E402
-from tests.test_models_hf import _greedy, _prefill_logits  # noqa: E402
+from tests.test_models_hf import _greedy, _prefill_logits, hf_greedy  # noqa: E402
 
 ARCH = "Qwen3MoeForCausalLM"
 RUNNER_LAUNCH = dict(page_size=4, max_total_tokens=2048, max_prefill_tokens=64,
@@ -82,10 +82,7 @@ def test_fp32_logits_and_greedy_match_hf(moe_dir, loaded):
     assert runner.kernels.describe()["router_topk"] == "stable"
     np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
     prompt = ids[:8]
-    with torch.no_grad():
-        hf = model.generate(torch.tensor(prompt)[None], max_new_tokens=12, do_sample=False,
-                            min_new_tokens=12)[0, len(prompt):].tolist()
-    assert _greedy(runner, prompt, 12) == hf
+    assert _greedy(runner, prompt, 12) == hf_greedy(model, prompt, 12)
 
 
 def test_bf16_logits_close_to_hf(moe_dir, loaded):

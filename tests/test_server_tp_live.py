@@ -15,15 +15,13 @@ import os
 import threading
 from typing import Any, Callable
 
-import httpx
 import numpy as np
-import openai
 import pytest
 
 from jengine import Engine
 from jengine.server.testing import ServerProcess
 from scripts.goldens import bits, differences, output_record
-from tests.test_server_live import sse_data
+from tests.test_server_live import http, oai, sse_data  # noqa: F401  (fixtures over `server`)
 from tests.test_server_replicas import server_info
 
 # Options that reach the bits are the same on both sides; only the device layout differs.
@@ -44,17 +42,6 @@ def server():
     with ServerProcess(SERVER_ARGS, env={"XLA_FLAGS": flags}) as proc:
         yield proc
         assert proc.proc.poll() is None, "the server died during the tests:\n" + proc.log_tail()
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120, max_retries=0)
 
 
 @pytest.fixture(scope="module")
