@@ -276,9 +276,9 @@ class TrainerMode:
         For each expert e and the rows routed to it: gate = x W_gate^T and up = x W_up^T as two
         GEMMs (F.linear -> aten mm -> the GEMM twin; the engine's gemm_group keeps each member's
         own gemm bits, and the fixed-order GEMM's rows do not depend on how many rows share the
-        call), silu(gate) * up (F.silu -> the SiLU twin), y = h W_down^T, then y times the slot's
-        routing weight in the model dtype. A token's k scaled outputs are added in f32 in slot
-        order 0..k-1 and rounded once (``slot_order_sum``, --moe-combine-order slot). Plain torch
+        call), silu(gate) * up (F.silu -> the SiLU twin), times the slot's routing weight in the
+        model dtype (inside the activation, as the engine applies it), y = h W_down^T. A token's
+        k outputs are added in f32 in slot order 0..k-1 and rounded once (``slot_order_sum``, --moe-combine-order slot). Plain torch
         ops throughout, so autograd differentiates it with its own formulas."""
         import torch.nn.functional as F
 
@@ -290,7 +290,7 @@ class TrainerMode:
             x = hidden_states[token_idx]
             gate_up, down = experts.gate_up_proj[e], experts.down_proj[e]
             h = F.silu(F.linear(x, gate_up[:inter])) * F.linear(x, gate_up[inter:])
-            y = F.linear(h, down) * top_k_weights[token_idx, slot, None].to(h.dtype)
+            y = F.linear(h * top_k_weights[token_idx, slot, None].to(h.dtype), down)
             slots = slots.index_put((token_idx, slot), y)
         self.routed["moe_experts"] += 1
         total = slots[:, 0].float()

@@ -43,15 +43,19 @@ class ExpertParallel:
         slots = jnp.arange(ids.shape[1])[None, :]
         return parts[ids // n_local, rows, slots]
 
-    def rank_combine(self, local_outputs, ids, scale):
-        """`--moe-combine-order rank`: f32 [T, H], each rank's owned slots of (output x scale),
-        added in slot order into a partial, the partials folded in rank order (fp32).
-        scale(slot_outputs [T, k, H]) -> the scaled terms in the model dtype."""
+    def first_expert(self, n_local: int):
+        """The global id of this rank's first expert (inside the step's shard_map)."""
+        return lax.axis_index(self.axis) * n_local
+
+    def rank_combine(self, local_outputs, ids):
+        """`--moe-combine-order rank`: f32 [T, H], each rank's owned slots of the (already
+        weighted) expert outputs added in slot order into a partial, the partials folded in rank
+        order (fp32)."""
         n_local = local_outputs.shape[0]
         rows = jnp.arange(ids.shape[0])[:, None]
-        first = lax.axis_index(self.axis) * n_local
+        first = self.first_expert(n_local)
         owned = (ids >= first) & (ids < first + n_local)
-        mine = scale(local_outputs[jnp.clip(ids - first, 0, n_local - 1), rows])    # [T, k, H]
+        mine = local_outputs[jnp.clip(ids - first, 0, n_local - 1), rows]          # [T, k, H]
         partial = jnp.zeros(mine.shape[::2], jnp.float32)
         for s in range(ids.shape[1]):
             partial = partial + jnp.where(owned[:, s, None], mine[:, s].astype(jnp.float32), 0.0)

@@ -188,3 +188,37 @@ def test_moe_block_rows_are_batch_invariant(loaded):
     assert (kernels.gemm.leaf.impl, kernels.router_topk.leaf.impl) == ("fixed_order", "stable")
     assert _rows_alone_vs_batched(loaded.config, kernels) == 0
     assert _rows_alone_vs_batched(loaded.config, _with_gemm(kernels, _row_count_gemm)) > 0
+
+
+def _reference_block(block, kernels, x, *, weight_inside: bool):
+    """Each token's k experts one by one with the block's own leaves: the weight applied to the
+    activation before down_proj (the spec's slot form), or to down_proj's output (HF eager's)."""
+    ids, weights = block.route(kernels, x, dtype=jnp.bfloat16)
+    gate, up, down = (getattr(block.experts, n)[...] for n in ("gate_proj", "up_proj", "down_proj"))
+    rows = []
+    for t in range(x.shape[0]):
+        acc = None
+        for s in range(ids.shape[1]):
+            e, w = int(ids[t, s]), weights[t, s]
+            xt = x[t:t + 1]
+            a = (kernels.silu(kernels.gemm(xt, gate[e], None, out_dtype=jnp.bfloat16))
+                 * kernels.gemm(xt, up[e], None, out_dtype=jnp.bfloat16))
+            y = (kernels.gemm(a * w, down[e], None, out_dtype=jnp.bfloat16) if weight_inside
+                 else kernels.gemm(a, down[e], None, out_dtype=jnp.bfloat16) * w)
+            acc = y.astype(jnp.float32) if acc is None else acc + y.astype(jnp.float32)
+        rows.append(acc.astype(jnp.bfloat16))
+    return np.asarray(jnp.concatenate(rows)).view(np.uint16)
+
+
+def test_routing_weight_scales_inside_the_activation(loaded):
+    """The block's bits are the spec's slot form: each slot's activation times its routing weight
+    before down_proj, the k outputs folded in f32 in slot order. Scaling after down_proj (HF eager's
+    rounding point) is the control: it moves bits."""
+    kernels = ModelKernels.plan_for(dtype=jnp.bfloat16, hardware="cpu",
+                                    features=frozenset({"batch_invariant"}))
+    block = SparseMoE(loaded.config, SparseMoE.specs(loaded.config, dtype=jnp.bfloat16),
+                      RandomSource(0))
+    x = jax.random.normal(jax.random.key(2), (6, loaded.config.hidden_size)).astype(jnp.bfloat16)
+    got = np.asarray(block(kernels, x, dtype=jnp.bfloat16)).view(np.uint16)
+    assert np.array_equal(got, _reference_block(block, kernels, x, weight_inside=True))
+    assert not np.array_equal(got, _reference_block(block, kernels, x, weight_inside=False))

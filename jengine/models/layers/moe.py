@@ -4,19 +4,24 @@ the slot-order combine.
     router logits = gemm(x, router)                 model dtype, as HF's bf16 F.linear
     ids, weights  = router_topk(logits as f32, k)   the ("moe", "router_topk") plan
     weights       -> model dtype                     HF: router_top_value.to(router_logits.dtype)
-    y_e           = down_e(silu(gate_e(x)) * up_e(x))   every expert, every row
-    out           = sum over slots s = 0..k-1 of (y_{ids[s]} * weights[s]), in f32, rounded once
+    a_e           = silu(gate_e(x)) * up_e(x)        model dtype
+    y_e           = down_e(a_e * w_e)                the routing weight INSIDE the activation
+    out           = sum over slots s = 0..k-1 of y_{ids[s]}, in f32, rounded once
 
 Every expert runs on every token row (dense compute, T x E) and each token then takes its k
-experts' rows. That costs E/k times the routed FLOPs, and buys the property the spec asks of
-expert GEMMs for free: an expert's GEMM always has the step's T rows, whatever the routing, so a
-row's bits never depend on how many tokens an expert got, and the block is batch invariant exactly
-when its GEMM and router leaves are. A gathered form (a static per-expert capacity) or a grouped
-GEMM is the faster successor; it must keep these bits.
+experts' rows; an expert's rows that the token did not route to carry weight 0 and are dropped.
+That costs E/k times the routed FLOPs, and buys the property the spec asks of expert GEMMs for
+free: an expert's GEMM always has the step's T rows, whatever the routing, so a row's bits never
+depend on how many tokens an expert got, and the block is batch invariant exactly when its GEMM and
+router leaves are. A gathered form (a static per-expert capacity) or a grouped GEMM is the faster
+successor; it must keep these bits.
 
-Where the routing weight scales: after down_proj, one rounding to the model dtype, as HF's eager
-`Qwen3MoeExperts.forward` does. The spec's trainer form (the weight applied inside the activation,
-before down_proj, as a grouped-MLP trainer does) is not implemented.
+Where the routing weight scales: inside the activation, before down_proj, as the spec's slot form
+and a grouped-MLP trainer (Megatron's weighted SwiGLU) apply it: `a * w` is one product rounded
+to the model dtype (a bf16 x bf16 product is exact in f32, so computing it in f32 and rounding
+once gives the same bits). down_proj then sees the weighted activation, so a slot's output is
+already scaled and the combine adds unscaled terms. HF's eager `Qwen3MoeExperts.forward` scales
+after down_proj instead (a different rounding point); trainer mode runs this form.
 
 The combine: `--moe-combine-order slot` folds a token's k scaled outputs in f32 in slot order, one
 rounding. On one device `rank` has a single rank's partial, which is the same fold, so both give the
@@ -87,20 +92,21 @@ class SparseMoE(nnx.Module):
             raise ValueError("tensor parallelism of a MoE block is not implemented (MoE TP = 1; "
                              "expert parallelism is issue #18's later part)")
         ids, weights = self.route(kern, x, dtype=dtype)
-        per_expert = self.experts(kern, x, dtype=dtype)          # [E (this rank's), T, H]
         slots = ids                                               # rows of per_expert to take
         if self.physical_to_logical is not None:  # EPLB: a replica of each logical expert
             slots = eplb.dispatch(ids, self.physical_to_logical[...])
+        n_local = self.experts.gate_proj.shape[0]                 # this rank's (physical) experts
+        first = 0 if self.ep is None else self.ep.first_expert(n_local)
+        row_weights = expert_row_weights(slots - first, weights, n_local)     # [n_local, T]
+        per_expert = self.experts(kern, x, row_weights, dtype=dtype)          # [n_local, T, H]
         if self.ep is not None and kern.combine_order == "rank":
-            return self.ep.rank_combine(per_expert, slots,
-                                        lambda out: out * weights[:, :, None]).astype(dtype), ids
+            return self.ep.rank_combine(per_expert, slots).astype(dtype), ids
         if self.ep is None:
             rows = jnp.arange(x.shape[0])[:, None]
             selected = per_expert[slots, rows]                  # [T, k, H]: slot s = expert ids[:, s]
         else:  # the same [T, k, H], moved from the experts' owners (bytes only)
             selected = self.ep.slot_outputs(per_expert, slots)
-        scaled = selected * weights[:, :, None]                 # rounded to dtype, as HF
-        return slot_order_sum(scaled).astype(dtype), ids
+        return slot_order_sum(selected).astype(dtype), ids
 
     def route(self, kern, x, *, dtype):
         """(expert ids int32[T, k], routing weights [T, k] in `dtype`) for the rows of x."""
@@ -108,6 +114,15 @@ class SparseMoE(nnx.Module):
         ids, weights = kern.router_topk(logits.astype(jnp.float32), k=self.top_k,
                                         norm_topk_prob=self.norm_topk_prob)
         return ids, weights.astype(dtype)
+
+
+def expert_row_weights(local_ids, weights, n_local: int):
+    """[n_local, T]: row t of expert e carries the weight token t routed to e (local_ids int32[T, k]
+    are ids relative to this rank's first expert), 0 where t did not route to e. A token routes to
+    an expert at most once, so each entry is one weight or an exact 0 (no arithmetic on weights)."""
+    experts = jnp.arange(n_local)[:, None, None]                        # [n_local, 1, 1]
+    hit = local_ids[None, :, :] == experts                              # [n_local, T, k]
+    return jnp.where(hit, weights[None], jnp.zeros((), weights.dtype)).sum(axis=-1)
 
 
 def slot_order_sum(terms):
@@ -125,8 +140,9 @@ class _Experts(nnx.Module):
         for name in ("gate_proj", "up_proj", "down_proj"):
             setattr(self, name, nnx.Param(source.place(specs[name])))
 
-    def __call__(self, kern, x, *, dtype):
-        """Every expert on every row: [E, T, H]. batch_invariant: the gate/up projections of all
+    def __call__(self, kern, x, row_weights, *, dtype):
+        """Every expert on every row, each row's activation scaled by its weight for that expert
+        (row_weights [E, T] in `dtype`, see expert_row_weights): [E, T, H]. batch_invariant: the gate/up projections of all
         experts are one grouped GEMM where the leaf has one, each output keeping the bits of its
         own gemm call, and down_proj one gemm per expert. portable: one XLA einsum per projection
         over the stacked experts (--moe-backend portable; never under rl-bitwise)."""
@@ -136,9 +152,10 @@ class _Experts(nnx.Module):
                 return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(dtype)
 
             hidden = kern.silu(einsum("th,ehi->eti", x, gate_w)) * einsum("th,ehi->eti", x, up_w)
-            return einsum("eti,eih->eth", hidden, down_w)
+            return einsum("eti,eih->eth", hidden * row_weights[:, :, None], down_w)
         n = gate_w.shape[0]
         projections = kern.gemm_group(x, tuple(gate_w[e] for e in range(n))
                                       + tuple(up_w[e] for e in range(n)), None, out_dtype=dtype)
-        return jnp.stack([kern.gemm(kern.silu(projections[e]) * projections[n + e], down_w[e],
-                                    None, out_dtype=dtype) for e in range(n)])
+        return jnp.stack([kern.gemm((kern.silu(projections[e]) * projections[n + e])
+                                    * row_weights[e][:, None], down_w[e], None, out_dtype=dtype)
+                          for e in range(n)])
