@@ -26,6 +26,8 @@
 #   bench_hf       the HF transformers generate peer
 #   router_topk    scripts/gpu_router_topk.py: the (moe, router_topk) torch leaf vs live torch.topk
 #                  (ids and value bits; random, tied, cutoff-tied, near-tied; alone vs packed)
+#   router_topk_mid / router_topk_big  the same over E 64, 160 / E 256 at k 6, 8, 12, 16, 33, 50
+#                  (router_topk_full, every E and k at once, is longer than a step may run)
 #   align_<Arch>   scripts/gpu_align.sh for one family, e.g. align_LlamaForCausalLM
 #   accept_<case>  scripts/gpu_acceptance.py for one case (llama, llama31, qwen3, qwen2): trainer
 #                  alignment at production widths, four logprob forms, stock-torch control
@@ -91,6 +93,8 @@ for s in "$@"; do
     bench_engine) step bench_engine 400 python3 -m jengine.cli bench --parts engine --part-timeout 190 --out "$out/bench_engine" ;;
     bench_hf) step bench_hf 200 python3 -m jengine.cli bench --parts hf --part-timeout 190 --out "$out/bench_hf" ;;
     router_topk) step router_topk 300 python3 scripts/gpu_router_topk.py --experts 8 128 --ks 1 2 4 8 32 64 --out "$out/router_topk" ;;
+    router_topk_mid) step router_topk_mid 300 python3 scripts/gpu_router_topk.py --experts 64 160 --ks 6 12 16 33 50 --out "$out/router_topk_mid" ;;
+    router_topk_big) step router_topk_big 300 python3 scripts/gpu_router_topk.py --experts 256 --ks 6 8 12 16 33 50 --out "$out/router_topk_big" ;;
     router_topk_full) step router_topk_full 590 python3 scripts/gpu_router_topk.py --out "$out/router_topk" ;;
     align_*) step "$s" 150 bash scripts/gpu_align.sh "$out/$s" "${s#align_}" ;;
     accept_qwen3moe) step "$s" 300 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases qwen3moe ;;
