@@ -66,8 +66,9 @@ def test_a_partial_update_regathers_every_layers_slots(update_params):
     """EP2, 2 redundant experts, slot j holding expert (9 - j) % 8 (so slot e never holds expert
     e): after layer 1's experts (fused, as a transformers 5 trainer sends them), then all of W1
     from disk, every parameter bit -- physical slots and maps -- equals a fresh engine's started
-    from those weights with that placement. Before the fix, the untouched layer 0's slots were
-    re-gathered from slots as if they were logical experts. Controls: each update changed bits."""
+    from those weights with that placement -- the untouched layer 0's slots too, which a gather from
+    the held slots as if they were logical experts would scramble on this placement (measured: it
+    did, before ModelRunner._logical_experts). Controls: each update changed bits."""
     diff = update_params["differing"]
     assert update_params["placements"][0] == update_params["placements"][1]
     assert update_params["placements"][0][0] == [1, 0, 7, 6, 5, 4, 3, 2, 1, 0]
