@@ -35,7 +35,7 @@ def run_all(eng) -> dict:
 
 
 def layer_experts_fused(model_dir: Path) -> dict:
-    """Layer 1's experts as transformers 5 holds them (gate_up_proj, down_proj), as torch tensors."""
+    """Layer 1's experts as transformers 5 holds them (gate_up_proj, down_proj): torch tensors."""
     import torch
     import transformers
 

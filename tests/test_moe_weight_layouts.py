@@ -2,12 +2,12 @@
 5.x trainer's `named_parameters()` pushes into a running engine, in one call or in buckets, and a
 checkpoint saved from its `state_dict()` as is, serve the bits of a fresh engine loaded from the
 `save_pretrained` directory (one tensor per expert): greedy ids and logprob bits, and every
-parameter's bits (what the outputs are a function of; cheaper to compare than more requests). Refusals name the tensor: a shape other than
-the layout's, a layer named in both layouts. Negative control: W0 and W1 serve different bits, so
-the equalities can fail.
+parameter's bits (what the outputs are a function of; cheaper to compare than more requests).
+Refusals name the tensor: a shape other than the layout's, a layer named in both layouts. Negative
+control: W0 and W1 serve different bits, so the equalities can fail.
 
-W0 and W1: the session's tiny random Qwen3-MoE checkpoints (tests/conftest.py). One engine serves
-the whole module.
+W0 and W1: the session's tiny random Qwen3-MoE checkpoints (tests/conftest.py). Two engines: a
+fresh one on W1, and one launched on W0 that every test updates.
 """
 
 from __future__ import annotations

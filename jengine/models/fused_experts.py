@@ -26,7 +26,8 @@ import re
 from typing import Any
 
 _FUSED = re.compile(r"^(?P<experts>.+\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
-_PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.(?:gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(
+    r"^(?P<experts>.+\.experts)\.\d+\.(?:gate_proj|up_proj|down_proj)\.weight$")
 
 
 class CheckpointLayoutError(ValueError):

@@ -154,8 +154,8 @@ class SafetensorsCheckpoint:
         return tensor
 
     def read_part(self, name: str, index: tuple) -> np.ndarray:
-        """tensor[index] (ints and slices), reading only those bytes (jengine/models/fused_experts.py
-        reads one expert of a fused tensor this way)."""
+        """tensor[index] (ints and slices), reading only those bytes (one expert of a fused tensor:
+        jengine/models/fused_experts.py)."""
         from safetensors import safe_open
 
         if name not in self._file:

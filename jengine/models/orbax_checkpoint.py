@@ -4,11 +4,12 @@ straight onto each parameter's placement.
 `write_orbax` (what `jengine convert SRC DST` runs, jengine/convert.py) stores every parameter of
 the model under its ParamSpec path ("layers.0.self_attn.q_proj.weight") in the layout the model
 holds it (`held_layout`: the first `rows` kept, transposed; a stacked parameter -- a MoE layer's
-experts -- its per-expert tensors stacked, `read_held`) but still in the checkpoint's stored dtype. The cast to the model dtype stays at load, on the device, the same operation as from
-safetensors: the parameters' bits are the same under any --dtype. Orbax's custom metadata records,
-per path, the HF tensor it came from and how (transpose, rows; for a stack of `stacked` tensors, the
-name pattern with "{}" for the expert), that tensor's shape and dtype (each member's), and the
-parameter's logical axes (sharding/rules.py): the checkpoint says how it may be sharded.
+experts -- its per-expert tensors stacked, `read_held`) but still in the checkpoint's stored dtype.
+The cast to the model dtype stays at load, on the device, the same operation as from safetensors:
+the parameters' bits are the same under any --dtype. Orbax's custom metadata records, per path, the
+HF tensor it came from and how (transpose, rows; for a stack of `stacked` tensors, the name pattern
+with "{}" for the expert), that tensor's shape and dtype (each member's), and the parameter's
+logical axes (sharding/rules.py): the checkpoint says how it may be sharded.
 
 `load_model(dir)` opens a model directory holding DIR/orbax/ as an `OrbaxCheckpoint`: the HF-name
 view the loader's and the weight update's checks read (names, shapes, stored dtypes), and
