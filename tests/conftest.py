@@ -33,3 +33,15 @@ def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoints")
     return {w: make_tiny_hf_model(root / w, "Qwen3ForCausalLM", seed=i)
             for i, w in enumerate(("w0", "w1"))}
+
+
+@pytest.fixture(scope="session")
+def moe_ckpts(tmp_path_factory):
+    """Two tiny random Qwen3-MoE checkpoints (8 experts, top-2), W0 and W1 (seeds 0 and 1), as
+    transformers' save_pretrained writes them (one tensor per expert), for the MoE weight-layout
+    and Orbax tests (tests/test_moe_weight_layouts.py, tests/test_orbax.py), which only read them."""
+    from interop.testing import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("moe-checkpoints")
+    return {w: make_tiny_hf_model(root / w, "Qwen3MoeForCausalLM", seed=i)
+            for i, w in enumerate(("w0", "w1"))}

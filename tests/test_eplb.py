@@ -1,8 +1,10 @@
-"""EPLB (--enable-eplb, sharding/eplb.py): a rebalance moves no output bit under rl-bitwise.
+"""EPLB (--enable-eplb, sharding/eplb.py): a rebalance moves no output bit under rl-bitwise, and
+after a weight update (full or partial) the physical slots hold the new logical experts.
 
 tests/eplb_probe.py measures on 8 fake CPU devices in a subprocess (a tiny float32 Qwen3-MoE, 8
-experts, top-4, EP4 with 4 redundant experts); the claims are asserted here, next to unit tests
-of the placement, the dispatch and the launch's refusals."""
+experts, top-4, EP4 with 4 redundant experts), tests/eplb_update_probe.py the weight updates (EP2
+on 2 devices in CI, EP4 on 8 under -m slow); the claims are asserted here, next to unit tests of
+the placement, the dispatch and the launch's refusals."""
 
 import json
 
@@ -53,6 +55,38 @@ def test_rank_combine_control_changes_bits(probe):
     the same request's logprob bits change (which is why rl-bitwise refuses it with EPLB)."""
     run = probe["rank_control"]
     assert run["before"] != run["after"]
+
+
+@pytest.fixture(scope="module")
+def update_params():
+    return run_probe("eplb_update_probe.py", "params", "2", "2", devices=2)
+
+
+def test_a_partial_update_regathers_every_layers_slots(update_params):
+    """EP2, 2 redundant experts, slot j holding expert (9 - j) % 8 (so slot e never holds expert
+    e): after layer 1's experts (fused, as a transformers 5 trainer sends them), then all of W1
+    from disk, every parameter bit -- physical slots and maps -- equals a fresh engine's started
+    from those weights with that placement -- the untouched layer 0's slots too, which a gather from
+    the held slots as if they were logical experts would scramble on this placement (measured: it
+    did, before ModelRunner._logical_experts). Controls: each update changed bits."""
+    diff = update_params["differing"]
+    assert update_params["placements"][0] == update_params["placements"][1]
+    assert update_params["placements"][0][0] == [1, 0, 7, 6, 5, 4, 3, 2, 1, 0]
+    assert diff["partial-fresh_partial"] == {} and diff["full-fresh_full"] == {}
+    assert len(diff["w0-partial"]) == 3       # layer 1's gate_proj, up_proj and down_proj slots
+    assert len(diff["partial-full"]) > 3 and update_params["params"] > 3
+
+
+@pytest.mark.slow  # three 8-device EP4 engines generating (~60 s on 2 cores): run with -m slow
+def test_updated_engine_serves_a_fresh_engines_bits_at_ep4():
+    """EP4 with 4 redundant experts, rebalanced to the greedy placement of a request's load, then
+    updated partially (layer 1's fused experts) and fully (W1 from disk): greedy and seeded T=1
+    ids and logprob bits equal those of fresh engines started with that placement."""
+    probe = run_probe("eplb_update_probe.py", "outputs", "4", "4")
+    first, _ = probe["placements"]
+    assert first == probe["placements"][1] and first[0][:8] != list(range(8))
+    assert probe["partial"] == probe["fresh_partial"] and probe["full"] == probe["fresh_full"]
+    assert probe["w0"] != probe["partial"] != probe["full"]
 
 
 def test_balanced_placement_gives_heavy_experts_the_redundant_slots():

@@ -140,3 +140,25 @@ def test_tp2_restores_onto_the_placement_with_the_safetensors_bits():
     assert probe["params"] > 0 and probe["params_differing"] == {}
     assert probe["logits_elements"] > 0 and probe["logits_differing"] == 0
     assert probe["greedy_ids_equal"]
+
+
+def test_moe_experts_convert_stacked_and_serve_the_safetensors_bits(moe_ckpts, tmp_path):
+    """Qwen3-MoE: each layer's experts are one stacked path per projection, recorded as the
+    per-expert name pattern; the HF view names every expert's tensor; the engines' parameter bits,
+    greedy ids and logprob bits are the safetensors engine's."""
+    src, dst = moe_ckpts["w0"], tmp_path / "moe"
+    assert convert(str(src), dst, progress=False) > 0
+    meta = json.loads((dst / ORBAX_DIR / "_CHECKPOINT_METADATA").read_text())["custom_metadata"]
+    gate = meta["params"]["layers.1.mlp.experts.gate_proj"]
+    assert (gate["checkpoint"], gate["stacked"], gate["axes"], gate["stored_shape"]) == (
+        "model.layers.1.mlp.experts.{}.gate_proj.weight", 8, ["expert", "embed", "expert_mlp"],
+        [32, 64])
+    hf, orbax = load_model(str(src), progress=False), load_model(str(dst))
+    assert sorted(orbax.checkpoint.names()) == sorted(hf.checkpoint.names())
+    name = "model.layers.1.mlp.experts.5.down_proj.weight"
+    assert orbax.checkpoint.shape(name) == hf.checkpoint.shape(name) == (64, 32)
+    assert count_bit_differences(orbax.checkpoint.read(name), hf.checkpoint.read(name)) == 0
+    with Engine(model_path=str(src), **LAUNCH) as hf_eng, \
+            Engine(model_path=str(dst), **LAUNCH) as orbax_eng:
+        assert param_differences(hf_eng, orbax_eng) == {}
+        assert record(orbax_eng) == record(hf_eng)

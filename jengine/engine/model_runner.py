@@ -285,6 +285,8 @@ class ModelRunner:
                 named["lm_head.weight"] = jax.jit(
                     lambda w: w[:, : self.model_config.vocab_size],
                     out_shardings=head.sharding)(head)
+            if self.expert_placement is not None:
+                self._logical_experts(named)
             weights = OverlaySource(weights, {specs[p]: named[p] for p in specs})
         with jax.default_device(self._home):
             _, state = nnx.split(self._build_model(weights))
@@ -406,6 +408,18 @@ class ModelRunner:
         self._expert_load = jnp.zeros((self.model_config.num_hidden_layers,
                                        self.model_config.num_experts), jnp.int32)
         self.eplb_steps = 0
+
+    def _logical_experts(self, named: dict) -> None:
+        """Each MoE layer's held experts in `named` (physical slots, [P, ...]) -> the logical
+        [E, ...] weights its specs declare: expert e from its first slot (every replica holds the
+        same bytes). What a partial update keeps must be logical: the rebuilt model gathers its
+        slots from it again, by the current placement (`SparseMoE.place_experts`)."""
+        logical = np.arange(self.model_config.num_experts, dtype=np.int32)
+        for layer in self._eplb_slots:
+            src = eplb.source_slots(self.expert_placement[layer], logical)
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                path = f"layers.{layer}.mlp.experts.{proj}"
+                named[path] = eplb.gather_slots(named[path], src)
 
     def expert_load(self) -> np.ndarray:
         """Routed (row, slot) pairs per logical expert, int[layers, E], since the last rebalance."""

@@ -28,7 +28,9 @@ from typing import Any
 from jengine.engine.request import InvalidRequest, Req
 from jengine.engine.weight_update import (CheckedReader, arrays_from_safetensors,
                                           arrays_from_tensors, launch_dtypes, read_update_checkpoint)
+from jengine.models.fused_experts import CheckpointLayoutError
 from jengine.models.layers.param import MappingReader
+from jengine.models.registry import get_family
 
 logger = logging.getLogger("jengine.engine")
 
@@ -50,6 +52,7 @@ class RLControl:
         self._known_names = frozenset(names) | (
             {"lm_head.weight"} if getattr(model_config, "tie_word_embeddings", False) else set())
         self._launch_dtypes = launch_dtypes(launch_weights, names)
+        self._family = get_family(model_config.architecture)
         self.weight_version = "default"
         self._update_lock = threading.Lock()  # one build (or release) next to the weights at a time
         self._paused: str | None = None  # a PAUSE_MODES entry while generation is paused
@@ -119,6 +122,11 @@ class RLControl:
         if "weights" in self._released and partial:
             raise EngineStateError("the weights are released: resume_memory_occupation(tags="
                                    "['weights']) before a partial update")
+        try:  # another layout the family reads (transformers 5's fused experts), as its names
+            reader = self._family.read_checkpoint(self.model_config, reader)
+        except CheckpointLayoutError as exc:
+            raise InvalidRequest(field, exc.tensor, exc.reason,
+                                 shown=f" tensor {exc.tensor!r}") from None
         checked = CheckedReader(reader, field=field, expected_dtypes=self._launch_dtypes,
                                 known_names=self._known_names, require_all=not partial)
         try:

@@ -15,6 +15,10 @@ Tensors arrive three ways, all as a `CheckpointReader` (jengine/models/layers/pa
   view of its memory (zero copy; bf16 viewed as ml_dtypes.bfloat16), a device tensor a jax array
   through DLPack (no host copy);
 - safetensors-encoded bytes over HTTP (`arrays_from_safetensors`).
+
+A family reading another layout of its tensors (Qwen3-MoE: transformers 5's fused experts,
+jengine/models/fused_experts.py) names them as its specs do first (`ModelFamily.read_checkpoint`:
+the loader for a directory, RLControl for tensors), so every check here sees the specs' names.
 """
 
 from __future__ import annotations

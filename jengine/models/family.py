@@ -42,6 +42,10 @@ class ModelFamily:
     parse_config: Callable[[Mapping[str, Any]], dict]  # config.json -> family-specific fields
     checkpoint_name: Callable[[Any, str], str]         # (config, parameter path) -> HF tensor name
     body: str                           # module: param_specs, kv_cache_spec, ModelKernels, Model
+    # (config, checkpoint reader) -> a reader naming the tensors as checkpoint_name does, for a
+    # family whose checkpoints come in another layout too (Qwen3-MoE: transformers 5's fused
+    # experts); None: the names are read as they are.
+    checkpoint_view: Callable[[Any, Any], Any] | None = None
 
     def _body(self):
         return importlib.import_module(self.body)
@@ -50,6 +54,10 @@ class ModelFamily:
         """Every parameter's `ParamSpec` (path -> spec), from the config alone: nothing loads."""
         return self._body().param_specs(
             cfg, dtype=dtype, checkpoint_name=lambda path: self.checkpoint_name(cfg, path))
+
+    def read_checkpoint(self, cfg, reader):
+        """`reader` (a checkpoint, or a weight update's tensors) named as `param_specs` reads it."""
+        return reader if self.checkpoint_view is None else self.checkpoint_view(cfg, reader)
 
     def kv_cache_spec(self, cfg):
         return self._body().kv_cache_spec(cfg)

@@ -79,9 +79,13 @@ def open_weights(directory: Path, config: ModelConfig, *, progress: bool = False
     """The directory's weights: its Orbax checkpoint when it has one, else its safetensors."""
     from jengine.models.orbax_checkpoint import OrbaxCheckpoint, has_orbax_checkpoint
 
+    from jengine.models.registry import get_family
+
     if has_orbax_checkpoint(directory):
         return OrbaxCheckpoint(directory, config)
-    return SafetensorsCheckpoint(directory, progress=progress)
+    # A family may read another tensor layout too (Qwen3-MoE: transformers 5's fused experts).
+    return get_family(config.architecture).read_checkpoint(
+        config, SafetensorsCheckpoint(directory, progress=progress))
 
 
 # safetensors header dtype -> numpy's name for it (floats only: what the dtype guess counts).
@@ -149,6 +153,18 @@ class SafetensorsCheckpoint:
         self._progress.update()
         return tensor
 
+    def read_part(self, name: str, index: tuple) -> np.ndarray:
+        """tensor[index] (ints and slices), reading only those bytes (one expert of a fused tensor:
+        jengine/models/fused_experts.py)."""
+        from safetensors import safe_open
+
+        if name not in self._file:
+            raise KeyError(f"checkpoint is missing tensor {name!r}")
+        with safe_open(str(self._file[name]), framework="numpy") as f:
+            part = f.get_slice(name)[index]
+        self._progress.update(part.size / max(int(np.prod(self.shape(name))), 1))
+        return part
+
 
 class _Duplicate(Exception):
     pass
@@ -160,15 +176,16 @@ class _Progress:
     def __init__(self, total: int, enabled: bool):
         self.total, self.enabled, self._bar = total, enabled, None
 
-    def update(self) -> None:
+    def update(self, tensors: float = 1) -> None:
+        """`tensors`: a fraction for a part of one (`read_part`)."""
         if not self.enabled:
             return
         if self._bar is None:
             from tqdm import tqdm
 
             self._bar = tqdm(total=self.total, desc="Loading weights", unit="tensor")
-        self._bar.update(1)
-        if self._bar.n >= self.total:
+        self._bar.update(tensors)
+        if self._bar.n >= self.total - 1e-6:  # the parts' fractions add up with rounding
             self._bar.close()
             self.enabled = False
 

@@ -3,11 +3,13 @@ straight onto each parameter's placement.
 
 `write_orbax` (what `jengine convert SRC DST` runs, jengine/convert.py) stores every parameter of
 the model under its ParamSpec path ("layers.0.self_attn.q_proj.weight") in the layout the model
-holds it (`held_layout`: the first `rows` kept, transposed) but still in the checkpoint's stored
-dtype. The cast to the model dtype stays at load, on the device, the same operation as from
-safetensors: the parameters' bits are the same under any --dtype. Orbax's custom metadata records,
-per path, the HF tensor it came from and how (transpose, rows), that tensor's shape and dtype, and
-the parameter's logical axes (sharding/rules.py): the checkpoint says how it may be sharded.
+holds it (`held_layout`: the first `rows` kept, transposed; a stacked parameter -- a MoE layer's
+experts -- its per-expert tensors stacked, `read_held`) but still in the checkpoint's stored dtype.
+The cast to the model dtype stays at load, on the device, the same operation as from safetensors:
+the parameters' bits are the same under any --dtype. Orbax's custom metadata records, per path, the
+HF tensor it came from and how (transpose, rows; for a stack of `stacked` tensors, the name pattern
+with "{}" for the expert), that tensor's shape and dtype (each member's), and the parameter's
+logical axes (sharding/rules.py): the checkpoint says how it may be sharded.
 
 `load_model(dir)` opens a model directory holding DIR/orbax/ as an `OrbaxCheckpoint`: the HF-name
 view the loader's and the weight update's checks read (names, shapes, stored dtypes), and
@@ -32,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from jengine.models.layers.param import ParamSpec, Placement, held_layout
+from jengine.models.layers.param import ParamSpec, Placement, read_held
 from jengine.models.registry import get_family
 
 logger = logging.getLogger(__name__)
@@ -55,15 +57,15 @@ def write_orbax(reader, config, model_dir: str | Path, *, progress: bool = True)
     tree: dict = {}
     params: dict[str, dict] = {}
     for path, spec in tqdm(specs.items(), desc="Converting", unit="param", disable=not progress):
-        if spec.stacked:  # the metadata below names one HF tensor per parameter
-            raise ValueError(f"parameter {path!r} is stacked from {spec.stacked} checkpoint tensors "
-                             f"({spec.checkpoint!r}); Orbax conversion of stacked parameters (MoE "
-                             "experts) is not implemented")
-        _set(tree, path, held_layout(reader.read(spec.checkpoint), spec))
-        params[path] = {"checkpoint": spec.checkpoint, "transpose": spec.transpose,
-                        "rows": spec.rows, "axes": list(spec.axes),
-                        "stored_shape": list(reader.shape(spec.checkpoint)),
-                        "stored_dtype": reader.dtype(spec.checkpoint)}
+        first = spec.checkpoint_names[0]
+        dtypes = sorted({reader.dtype(name) for name in spec.checkpoint_names})
+        if len(dtypes) > 1:  # stacking would widen some members: not the bits a launch holds
+            raise ValueError(f"parameter {path!r} is stacked from tensors {spec.checkpoint!r} "
+                             f"stored in several dtypes {dtypes}")
+        _set(tree, path, read_held(reader, spec))  # each member's shape checked against the spec
+        params[path] = {"checkpoint": spec.checkpoint, "stacked": spec.stacked,
+                        "transpose": spec.transpose, "rows": spec.rows, "axes": list(spec.axes),
+                        "stored_shape": list(reader.shape(first)), "stored_dtype": dtypes[0]}
     target = Path(model_dir).absolute() / ORBAX_DIR
     logger.info("writing %d parameters to %s", len(specs), target)
     checkpointer = ocp.StandardCheckpointer()
@@ -102,8 +104,15 @@ class OrbaxCheckpoint:
                                                                    dtype=config.torch_dtype)
         self._check()
         self._path_of = {_transform(s): p for p, s in self._specs.items()}
-        self._hf = {m["checkpoint"]: (tuple(m["stored_shape"]), m["stored_dtype"])
-                    for m in self._meta.values()}
+        self._hf: dict[str, tuple] = {}  # HF name -> (stored shape, stored dtype)
+        self._whole: dict[str, tuple[str, int | None]] = {}  # HF name -> (path, index in a stack)
+        for path, m in self._meta.items():
+            stacked = m.get("stacked", 0)
+            for index in range(stacked) if stacked else (None,):
+                name = m["checkpoint"] if index is None else m["checkpoint"].format(index)
+                self._hf[name] = (tuple(m["stored_shape"]), m["stored_dtype"])
+                if m["rows"] is None:
+                    self._whole.setdefault(name, (path, index))
 
     def _check(self) -> None:
         where = f"the Orbax checkpoint {str(self.directory)!r}"
@@ -118,11 +127,13 @@ class OrbaxCheckpoint:
                 raise ValueError(f"parameter {path!r} in {where} has shape {stored_shape}, but the "
                                  f"model expects {spec.shape}")
             m = self._meta[path]
-            if (m["checkpoint"], m["transpose"], m["rows"]) != _transform(spec)[:3]:
+            stacked = m.get("stacked", 0)
+            if (m["checkpoint"], m["transpose"], m["rows"], stacked) != _transform(spec)[:4]:
                 raise ValueError(
                     f"parameter {path!r} in {where} was converted from {m['checkpoint']!r} "
-                    f"(transpose={m['transpose']}, rows={m['rows']}), but the model reads it from "
-                    f"{spec.checkpoint!r} (transpose={spec.transpose}, rows={spec.rows})")
+                    f"(transpose={m['transpose']}, rows={m['rows']}, stacked={stacked}), but the "
+                    f"model reads it from {spec.checkpoint!r} (transpose={spec.transpose}, "
+                    f"rows={spec.rows}, stacked={spec.stacked})")
         if unknown:
             raise ValueError(f"{where} holds {unknown[0]!r}, which is not a parameter of the model "
                              f"({len(unknown)} such)")
@@ -144,16 +155,17 @@ class OrbaxCheckpoint:
         """HF tensor `name` as the HF checkpoint stored it (from the path that holds all of it)."""
         import orbax.checkpoint as ocp
 
-        path = next((p for p, m in self._meta.items()
-                     if m["checkpoint"] == name and m["rows"] is None), None)
-        if path is None:
+        if name not in self._whole:
             raise KeyError(f"checkpoint is missing tensor {name!r}")
+        path, index = self._whole[name]
         item, args = {}, {}
         _set(item, path, 0)
         _set(args, path, ocp.RestoreArgs(restore_type=np.ndarray))
         restored = ocp.PyTreeCheckpointer().restore(self.directory, args=ocp.args.PyTreeRestore(
             item=item, restore_args=args, partial_restore=True))
         arr = dict(_flatten(restored))[path]
+        if index is not None:  # one member of a stack (a MoE layer's expert)
+            arr = arr[index]
         return np.ascontiguousarray(arr.T) if self._meta[path]["transpose"] else arr
 
     # -- the engine's path ------------------------------------------------------------------------
@@ -202,9 +214,9 @@ class OrbaxSource:
 
 
 def _transform(spec: ParamSpec) -> tuple:
-    """What makes a parameter's values: its HF tensor, the transform, the held shape (not the
+    """What makes a parameter's values: its HF tensor(s), the transform, the held shape (not the
     model dtype, which the load casts to)."""
-    return (spec.checkpoint, spec.transpose, spec.rows, spec.shape)
+    return (spec.checkpoint, spec.transpose, spec.rows, spec.stacked, spec.shape)
 
 
 def _set(tree: dict, path: str, value) -> None:

@@ -3,10 +3,12 @@
 SwiGLU experts of width `moe_intermediate_size`, the chosen probabilities renormalised when
 `norm_topk_prob`.
 
-transformers 5.x holds a layer's experts fused (`mlp.experts.gate_up_proj` [E, 2I, H],
-`mlp.experts.down_proj` [E, H, I]) but `save_pretrained` writes them one tensor per expert
-(`mlp.experts.{e}.gate_proj.weight`, ...), as 4.x did and as released checkpoints are; that is what
-this family reads (stacked on load, ParamSpec.stacked). A checkpoint in the fused layout is not read.
+Checkpoints hold a layer's experts one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, ...),
+as `save_pretrained` writes them and released checkpoints are; that is what the specs name (stacked
+on load, ParamSpec.stacked). transformers 5.x holds them fused in memory (`mlp.experts.gate_up_proj`
+[E, 2I, H], `mlp.experts.down_proj` [E, H, I]): what a 5.x trainer's `named_parameters()` sends,
+or a `state_dict()` saved as is. `checkpoint_view` reads that layout as the per-expert names
+(jengine/models/fused_experts.py).
 """
 
 from __future__ import annotations
@@ -65,10 +67,20 @@ def checkpoint_name(cfg, path: str) -> str:
     return hf_decoder_name(cfg, path)
 
 
+def checkpoint_view(cfg, reader):
+    """`reader` with transformers 5's fused expert tensors named per expert (as checkpoint_name)."""
+    from jengine.models.fused_experts import per_expert_view
+
+    return per_expert_view(reader, num_experts=cfg.num_experts,
+                           intermediate_size=cfg.moe_intermediate_size,
+                           hidden_size=cfg.hidden_size)
+
+
 # rl-bitwise: the invariance harness passes at EP4 (tests/test_expert_parallel.py) and HF's forward
 # under trainer mode aligns bit for bit (tests/test_moe_align.py), on the CPU.
 EntryClass = ModelFamily(
     architecture=ARCHITECTURE, model_type="qwen3_moe",
     profile=ModelProfile(ARCHITECTURE, frozenset({"rl-bitwise"}),
                          "sparse MoE (softmax router, top-k SwiGLU experts); Qwen3 attention"),
-    parse_config=parse_config, checkpoint_name=checkpoint_name, body="jengine.models.moe_decoder")
+    parse_config=parse_config, checkpoint_name=checkpoint_name, body="jengine.models.moe_decoder",
+    checkpoint_view=checkpoint_view)
