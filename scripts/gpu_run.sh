@@ -26,6 +26,10 @@
 #   bench_hf       the HF transformers generate peer
 #   router_topk    scripts/gpu_router_topk.py: the (moe, router_topk) torch leaf vs live torch.topk
 #                  (ids and value bits; random, tied, cutoff-tied, near-tied; alone vs packed)
+#   grouped_gemm   scripts/gpu_grouped_gemm.py: the (moe, grouped_gemm) Triton leaf's routed rows vs
+#                  the dense Triton gemm at Qwen3-30B-A3B widths (E 128, top-8, T 1..4096; random
+#                  and skewed routings; a shifted-map control), torch == JAX launch, and one
+#                  layer's experts routed vs dense (ms medians); last line: a JSON summary
 #   align_<Arch>   scripts/gpu_align.sh for one family, e.g. align_LlamaForCausalLM
 #   accept_<case>  scripts/gpu_acceptance.py for one case (llama, llama31, qwen3, qwen2): trainer
 #                  alignment at production widths, four logprob forms, stock-torch control
@@ -92,6 +96,7 @@ for s in "$@"; do
     bench_hf) step bench_hf 200 python3 -m jengine.cli bench --parts hf --part-timeout 190 --out "$out/bench_hf" ;;
     router_topk) step router_topk 300 python3 scripts/gpu_router_topk.py --experts 8 128 --ks 1 2 4 8 32 64 --out "$out/router_topk" ;;
     router_topk_full) step router_topk_full 590 python3 scripts/gpu_router_topk.py --out "$out/router_topk" ;;
+    grouped_gemm) step grouped_gemm 540 python3 scripts/gpu_grouped_gemm.py --out "$out/grouped_gemm" ;;
     align_*) step "$s" 150 bash scripts/gpu_align.sh "$out/$s" "${s#align_}" ;;
     accept_qwen3moe) step "$s" 300 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases qwen3moe ;;
     accept_*) step "$s" 420 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases "${s#accept_}" ;;
