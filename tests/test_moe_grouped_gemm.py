@@ -145,9 +145,9 @@ def compiled():
     return out
 
 
-@pytest.mark.parametrize("dtype, t, kind", [(jnp.bfloat16, 1, "random"), (jnp.bfloat16, 7, "random"),
-                                            (jnp.bfloat16, 7, "skewed"), (jnp.float32, 5, "random"),
-                                            (jnp.float32, 5, "skewed")])
+@pytest.mark.parametrize("dtype, t, kind", [
+    (jnp.bfloat16, 1, "random"), (jnp.bfloat16, 7, "random"), (jnp.bfloat16, 7, "skewed"),
+    (jnp.float32, 5, "random"), (jnp.float32, 5, "skewed")])
 def test_routed_outputs_have_the_dense_paths_bits(experts, compiled, dtype, t, kind):
     rng = np.random.default_rng(t)
     x = jnp.asarray(rng.standard_normal((t, H)), dtype)
