@@ -179,6 +179,40 @@ def grouped_gemm_kernel(
                HAS_BIAS, IEEE_F32, BM, BN, BK, KSPLIT, PARTIAL, EVEN_N)
 
 
+@triton.jit(do_not_specialize=["M"])
+def expert_gemm_kernel(
+    x_ptr, w_ptr, tile_expert_ptr, M, out_ptr,
+    N: tl.constexpr, K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE_F32: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    KSPLIT: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+):
+    """Routed experts' GEMMs in one launch (pallas_kernels/moe_grouped_gemm.py): out[r] =
+    x[r] @ w[e] with e = tile_expert[r // BLOCK_ROWS], w [E, K, N], rows sorted by expert.
+
+    BLOCK_ROWS is a multiple of BM, so a program's rows share one expert: it reads that expert and
+    runs _gemm_tile on its [K, N] weight -- the body and the tile fixed_tile_gemm_kernel runs, N a
+    constexpr as there -- so every row has the bits of the dense launch on that row. An empty block
+    (e = -1, past the last routed pair) skips the K loop and stores zeros. HAS_BIAS is False.
+    """
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, (N + BN - 1) // BN, BM, GROUP_M)
+    chunk = tl.program_id(1)  # 0 on the serial schedule's 1-D grid
+    EVEN_N: tl.constexpr = N % BN == 0
+    expert = tl.load(tile_expert_ptr + (pid_m * BM) // BLOCK_ROWS)
+    if expert >= 0:
+        _gemm_tile(x_ptr, w_ptr + expert.to(tl.int64) * (K * N), w_ptr, out_ptr, M, pid_m, pid_n,
+                   chunk, N, K, HAS_BIAS, IEEE_F32, BM, BN, BK, KSPLIT, PARTIAL, EVEN_N)
+    else:
+        rm = tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        zeros = tl.zeros((BM, BN), dtype=out_ptr.dtype.element_ty)
+        if PARTIAL:
+            out_ptr += chunk.to(tl.int64) * M * N
+        out_ptr += pid_m.to(tl.int64) * (BM * N)
+        tl.store(out_ptr + rm[:, None] * N + offs_n[None, :], zeros,
+                 mask=(rm[:, None] < M - pid_m * BM) & (offs_n[None, :] < N))
+
+
 @triton.jit
 def _reduce_block(part_ptr, bias_ptr, M, out_ptr, block, N: tl.constexpr, HAS_BIAS: tl.constexpr,
                   KSPLIT: tl.constexpr, BLOCK: tl.constexpr):

@@ -28,6 +28,10 @@
 #                  (ids and value bits; random, tied, cutoff-tied, near-tied; alone vs packed)
 #   router_topk_mid / router_topk_big  the same over E 64, 160 / E 256 at k 6, 8, 12, 16, 33, 50
 #                  (router_topk_full, every E and k at once, is longer than a step may run)
+#   grouped_gemm   scripts/gpu_grouped_gemm.py: the (moe, grouped_gemm) Triton leaf's routed rows vs
+#                  the dense Triton gemm at Qwen3-30B-A3B widths (E 128, top-8, T 1..4096; random
+#                  and skewed routings; a shifted-map control), torch == JAX launch, and one
+#                  layer's experts routed vs dense (ms medians); last line: a JSON summary
 #   align_<Arch>   scripts/gpu_align.sh for one family, e.g. align_LlamaForCausalLM
 #   accept_<case>  scripts/gpu_acceptance.py for one case (llama, llama31, qwen3, qwen2): trainer
 #                  alignment at production widths, four logprob forms, stock-torch control
@@ -96,6 +100,7 @@ for s in "$@"; do
     router_topk_mid) step router_topk_mid 300 python3 scripts/gpu_router_topk.py --experts 64 160 --ks 6 12 16 33 50 --out "$out/router_topk_mid" ;;
     router_topk_big) step router_topk_big 300 python3 scripts/gpu_router_topk.py --experts 256 --ks 6 8 12 16 33 50 --out "$out/router_topk_big" ;;
     router_topk_full) step router_topk_full 590 python3 scripts/gpu_router_topk.py --out "$out/router_topk" ;;
+    grouped_gemm) step grouped_gemm 540 python3 scripts/gpu_grouped_gemm.py --out "$out/grouped_gemm" ;;
     align_*) step "$s" 150 bash scripts/gpu_align.sh "$out/$s" "${s#align_}" ;;
     accept_qwen3moe) step "$s" 300 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases qwen3moe ;;
     accept_*) step "$s" 420 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases "${s#accept_}" ;;

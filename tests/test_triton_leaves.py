@@ -22,12 +22,13 @@ import numpy as np
 import pytest
 
 from pallas_kernels import (triton_activation, triton_attention, triton_gemm, triton_gemm_tiles,
-                            triton_norm, triton_sampling)
+                            triton_moe_grouped_gemm, triton_norm, triton_sampling)
 from pallas_kernels._triton_launch import bits, dtype_name, import_jax_triton, triton_available
 from pallas_kernels.registry import REGISTRY
 
 TRITON_IMPLS = {("linear", "gemm"): "triton_fixed_tile",
                 ("linear", "gemm_group"): "triton_fixed_tile",
+                ("moe", "grouped_gemm"): "triton_fixed_tile",
                 ("norm", "rmsnorm"): "triton_fixed_tree",
                 ("norm", "add_rmsnorm"): "triton_fixed_tree",
                 ("activation", "silu"): "triton_elementwise",
@@ -36,6 +37,7 @@ TRITON_IMPLS = {("linear", "gemm"): "triton_fixed_tile",
                 ("attention", "dense_causal"): "triton_fixed_split"}
 TRITON_LEAVES = {("linear", "gemm"): triton_gemm.gemm_triton,
                  ("linear", "gemm_group"): triton_gemm.gemm_group_triton,
+                 ("moe", "grouped_gemm"): triton_moe_grouped_gemm.grouped_gemm_triton,
                  ("norm", "rmsnorm"): triton_norm.rmsnorm_triton,
                  ("norm", "add_rmsnorm"): triton_norm.add_rmsnorm_triton,
                  ("activation", "silu"): triton_activation.silu_triton,
