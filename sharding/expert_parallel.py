@@ -31,31 +31,24 @@ class ExpertParallel:
     size: int
     axis: str = EXPERT_AXIS
 
-    def slot_outputs(self, local_outputs, ids):
-        """local_outputs [n_local, T, H]: this rank's experts on every row; ids int32[T, k]: each
-        token's experts (global ids). -> [T, k, H]: slot s of token t is expert ids[t, s]'s output
-        for row t, taken from the rank that owns it."""
-        n_local = local_outputs.shape[0]
-        rows = jnp.arange(ids.shape[0])[:, None]
-        local = jnp.clip(ids - lax.axis_index(self.axis) * n_local, 0, n_local - 1)
-        mine = local_outputs[local, rows]                                    # [T, k, H]
-        parts = lax.all_gather(mine, self.axis, axis=0, tiled=False, to="invarying")  # [E, T, k, H]
-        slots = jnp.arange(ids.shape[1])[None, :]
-        return parts[ids // n_local, rows, slots]
-
     def first_expert(self, n_local: int):
         """The global id of this rank's first expert (inside the step's shard_map)."""
         return lax.axis_index(self.axis) * n_local
 
-    def rank_combine(self, local_outputs, ids):
-        """`--moe-combine-order rank`: f32 [T, H], each rank's owned slots of the (already
-        weighted) expert outputs added in slot order into a partial, the partials folded in rank
-        order (fp32)."""
-        n_local = local_outputs.shape[0]
+    def slot_outputs(self, mine, ids, n_local: int):
+        """mine [T, k, H]: the slots this rank computed (its own experts'; others arbitrary);
+        ids int32[T, k]: each slot's global expert. -> [T, k, H]: every slot taken from the rank
+        that owns its expert (an all-gather and a selection: bytes, no arithmetic)."""
         rows = jnp.arange(ids.shape[0])[:, None]
+        parts = lax.all_gather(mine, self.axis, axis=0, tiled=False, to="invarying")  # [E, T, k, H]
+        slots = jnp.arange(ids.shape[1])[None, :]
+        return parts[ids // n_local, rows, slots]
+
+    def rank_combine(self, mine, ids, n_local: int):
+        """`--moe-combine-order rank`: f32 [T, H], each rank's owned slots of `mine` (weighted
+        expert outputs) added in slot order into a partial, the partials folded in rank order."""
         first = self.first_expert(n_local)
         owned = (ids >= first) & (ids < first + n_local)
-        mine = local_outputs[jnp.clip(ids - first, 0, n_local - 1), rows]          # [T, k, H]
         partial = jnp.zeros(mine.shape[::2], jnp.float32)
         for s in range(ids.shape[1]):
             partial = partial + jnp.where(owned[:, s, None], mine[:, s].astype(jnp.float32), 0.0)

@@ -36,6 +36,9 @@ class ModelKernels(dense.ModelKernels):
     """The dense plans, the router's top-k plan and the combine order of the launch."""
 
     router_topk: KernelPlan
+    # The routed expert GEMMs (batch_invariant backend): the ("moe", "grouped_gemm") leaf of the
+    # gemm plan's impl, so each routed row has that gemm leaf's bits; None under portable.
+    grouped_gemm: KernelPlan | None
     combine_order: str  # "slot" / "rank": the same fold on one device (jengine/models/layers/moe.py)
     # --moe-backend, resolved: "batch_invariant" (each expert through the GEMM plans above, so a
     # row's bits are those plans') or "portable" (one XLA einsum over the stacked experts: fast to
@@ -66,12 +69,32 @@ class ModelKernels(dense.ModelKernels):
         if backend == "portable" and "batch_invariant" in features:
             raise KernelPlanError("--moe-backend portable: its einsum declares no batch_invariant "
                                   "feature, which this launch requires")
+        grouped = None
+        if backend == "batch_invariant":
+            grouped = _plan_grouped_gemm(base.gemm, dtype=dtype, hardware=hardware,
+                                         features=features)
         return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
-                   router_topk=router, combine_order=moe.combine_order, expert_backend=backend)
+                   router_topk=router, grouped_gemm=grouped, combine_order=moe.combine_order,
+                   expert_backend=backend)
 
     def describe(self) -> dict[str, str]:
-        return {f.name: (getattr(self, f.name) if f.name in ("combine_order", "expert_backend")
-                         else getattr(self, f.name).leaf.impl) for f in dataclasses.fields(self)}
+        def name(value):
+            return value if value is None or isinstance(value, str) else value.leaf.impl
+
+        return {f.name: name(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def _plan_grouped_gemm(gemm: KernelPlan, *, dtype, hardware: str, features) -> KernelPlan:
+    """The grouped leaf of the gemm plan's impl where one exists (its rows then have the model's
+    gemm bits, which trainer mode's GEMM twin reproduces); otherwise (an auto launch whose gemm is
+    XLA's dot) the best batch-invariant grouped leaf: the experts are still batch invariant, just
+    not the same arithmetic as the dense layers' GEMMs."""
+    kw = dict(formats={"bf16" if jnp.dtype(dtype) == jnp.bfloat16 else "f32"}, hardware=hardware,
+              features=frozenset(features) | {"batch_invariant"})
+    try:
+        return plan("moe", "grouped_gemm", impl=gemm.leaf.impl, **kw)
+    except KernelPlanError:
+        return plan("moe", "grouped_gemm", **kw)
 
 
 def param_specs(cfg, *, dtype, checkpoint_name: Callable[[str], str]) -> dict[str, ParamSpec]:

@@ -8,13 +8,13 @@ the slot-order combine.
     y_e           = down_e(a_e * w_e)                the routing weight INSIDE the activation
     out           = sum over slots s = 0..k-1 of y_{ids[s]}, in f32, rounded once
 
-Every expert runs on every token row (dense compute, T x E) and each token then takes its k
-experts' rows; an expert's rows that the token did not route to carry weight 0 and are dropped.
-That costs E/k times the routed FLOPs, and buys the property the spec asks of expert GEMMs for
-free: an expert's GEMM always has the step's T rows, whatever the routing, so a row's bits never
-depend on how many tokens an expert got, and the block is batch invariant exactly when its GEMM and
-router leaves are. A gathered form (a static per-expert capacity) or a grouped GEMM is the faster
-successor; it must keep these bits.
+Only the routed (token, slot) pairs are computed (`--moe-backend batch_invariant`, the rl-bitwise
+one): the pairs are sorted by expert into one-expert tiles and run through the ("moe",
+"grouped_gemm") plan (jengine/models/layers/moe_routed.py), whose every row has the bits the gemm
+leaf gives that row alone. So a row's bits never depend on how many tokens an expert got (group
+sizes change the number of tiles, never a row's reduction), and the block is batch invariant
+exactly when its GEMM and router leaves are. `--moe-backend portable` runs every expert on every
+row as one XLA einsum per projection (E/k times the routed FLOPs; no batch-invariance claim).
 
 Where the routing weight scales: inside the activation, before down_proj, as the spec's slot form
 and a grouped-MLP trainer (Megatron's weighted SwiGLU) apply it: `a * w` is one product rounded
@@ -47,6 +47,7 @@ from flax import nnx
 from sharding import eplb
 
 from jengine.models.layers.linear import Linear
+from jengine.models.layers.moe_routed import routed_expert_outputs
 from jengine.models.layers.param import ParamSpec
 
 
@@ -92,21 +93,19 @@ class SparseMoE(nnx.Module):
             raise ValueError("tensor parallelism of a MoE block is not implemented (MoE TP = 1; "
                              "expert parallelism is issue #18's later part)")
         ids, weights = self.route(kern, x, dtype=dtype)
-        slots = ids                                               # rows of per_expert to take
+        slots = ids                                               # the experts computing each slot
         if self.physical_to_logical is not None:  # EPLB: a replica of each logical expert
             slots = eplb.dispatch(ids, self.physical_to_logical[...])
         n_local = self.experts.gate_proj.shape[0]                 # this rank's (physical) experts
-        first = 0 if self.ep is None else self.ep.first_expert(n_local)
-        row_weights = expert_row_weights(slots - first, weights, n_local)     # [n_local, T]
-        per_expert = self.experts(kern, x, row_weights, dtype=dtype)          # [n_local, T, H]
-        if self.ep is not None and kern.combine_order == "rank":
-            return self.ep.rank_combine(per_expert, slots).astype(dtype), ids
+        local = slots if self.ep is None else slots - self.ep.first_expert(n_local)
+        mine = self.experts(kern, x, local, weights, dtype=dtype,
+                            foreign=self.ep is not None)          # [T, k, H], this rank's slots
         if self.ep is None:
-            rows = jnp.arange(x.shape[0])[:, None]
-            selected = per_expert[slots, rows]                  # [T, k, H]: slot s = expert ids[:, s]
-        else:  # the same [T, k, H], moved from the experts' owners (bytes only)
-            selected = self.ep.slot_outputs(per_expert, slots)
-        return slot_order_sum(selected).astype(dtype), ids
+            return slot_order_sum(mine).astype(dtype), ids
+        if kern.combine_order == "rank":
+            return self.ep.rank_combine(mine, slots, n_local).astype(dtype), ids
+        # each slot moved from the rank that owns its expert (bytes only), then the same fold
+        return slot_order_sum(self.ep.slot_outputs(mine, slots, n_local)).astype(dtype), ids
 
     def route(self, kern, x, *, dtype):
         """(expert ids int32[T, k], routing weights [T, k] in `dtype`) for the rows of x."""
@@ -140,22 +139,28 @@ class _Experts(nnx.Module):
         for name in ("gate_proj", "up_proj", "down_proj"):
             setattr(self, name, nnx.Param(source.place(specs[name])))
 
-    def __call__(self, kern, x, row_weights, *, dtype):
-        """Every expert on every row, each row's activation scaled by its weight for that expert
-        (row_weights [E, T] in `dtype`, see expert_row_weights): [E, T, H]. batch_invariant: the gate/up projections of all
-        experts are one grouped GEMM where the leaf has one, each output keeping the bits of its
-        own gemm call, and down_proj one gemm per expert. portable: one XLA einsum per projection
-        over the stacked experts (--moe-backend portable; never under rl-bitwise)."""
-        gate_w, up_w, down_w = self.gate_proj[...], self.up_proj[...], self.down_proj[...]
-        if kern.expert_backend == "portable":
-            def einsum(spec, a, b):
-                return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(dtype)
+    def __call__(self, kern, x, local_ids, weights, *, dtype, foreign: bool = False):
+        """[T, k, H] in `dtype`: slot (t, s) is expert local_ids[t, s]'s output for row t, its
+        activation scaled by weights[t, s]. With `foreign` (expert parallelism) an id outside
+        [0, E) is another rank's expert: that slot is zeros and costs no GEMM work.
 
-            hidden = kern.silu(einsum("th,ehi->eti", x, gate_w)) * einsum("th,ehi->eti", x, up_w)
-            return einsum("eti,eih->eth", hidden * row_weights[:, :, None], down_w)
+        batch_invariant: only the routed pairs, through the ("moe", "grouped_gemm") plan
+        (jengine/models/layers/moe_routed.py): each pair's row has the bits the gemm leaf gives
+        it, whatever the routing. portable: one XLA einsum per projection over the stacked
+        experts on every row (--moe-backend portable; never under rl-bitwise)."""
+        gate_w, up_w, down_w = self.gate_proj[...], self.up_proj[...], self.down_proj[...]
         n = gate_w.shape[0]
-        projections = kern.gemm_group(x, tuple(gate_w[e] for e in range(n))
-                                      + tuple(up_w[e] for e in range(n)), None, out_dtype=dtype)
-        return jnp.stack([kern.gemm((kern.silu(projections[e]) * projections[n + e])
-                                    * row_weights[e][:, None], down_w[e], None, out_dtype=dtype)
-                          for e in range(n)])
+        owned = (local_ids >= 0) & (local_ids < n)
+        if kern.expert_backend != "portable":
+            return routed_expert_outputs(kern, x, jnp.where(owned, local_ids, n), weights,
+                                         gate_w, up_w, down_w, dtype=dtype, foreign=foreign)
+
+        def einsum(spec, a, b):
+            return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(dtype)
+
+        row_weights = expert_row_weights(local_ids, weights, n)                    # [E, T]
+        hidden = kern.silu(einsum("th,ehi->eti", x, gate_w)) * einsum("th,ehi->eti", x, up_w)
+        per_expert = einsum("eti,eih->eth", hidden * row_weights[:, :, None], down_w)
+        rows = jnp.arange(x.shape[0])[:, None]
+        mine = per_expert[jnp.clip(local_ids, 0, n - 1), rows]
+        return jnp.where(owned[:, :, None], mine, jnp.zeros((), dtype))

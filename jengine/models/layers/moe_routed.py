@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels.moe_grouped_gemm import block_rows_for, plan_expert_tiles
+from pallas_kernels.moe_grouped_gemm import EMPTY_TILE, block_rows_for, plan_expert_tiles
 
 
 def routed_expert_outputs(kern, x, ids, weights, gate_w, up_w, down_w, *, dtype,
-                          block_rows: int | None = None):
+                          block_rows: int | None = None, foreign: bool = False):
     """x [T, H], ids int32[T, k], weights f32[T, k], gate_w / up_w [E, H, I], down_w [E, I, H]
     -> [T, k, H] in `dtype`: slot s of token t is expert ids[t, s]'s output for row t, scaled
     inside the activation by weights[t, s].
@@ -32,13 +32,17 @@ def routed_expert_outputs(kern, x, ids, weights, gate_w, up_w, down_w, *, dtype,
     kern: a kernel set with `grouped_gemm` (a ("moe", "grouped_gemm") plan) and `silu`.
     block_rows: the layout's row block; by default the one every grouped leaf accepts for these
     widths (`block_rows_for`).
+    foreign: ids may hold E (= gate_w.shape[0]) for a pair another expert-parallel rank computes;
+    such pairs land in empty tiles (no GEMM work) and their slots are zeros.
     """
     t, h = x.shape
     k = ids.shape[1]
     num_experts, _, inter = gate_w.shape
     if block_rows is None:
         block_rows = block_rows_for(((inter, h), (h, inter)), dtype)
-    order, tile_expert, row_of_pair = plan_expert_tiles(ids, num_experts, block_rows)
+    order, tile_expert, row_of_pair = plan_expert_tiles(ids, num_experts + foreign, block_rows)
+    if foreign:  # the extra "expert" E is the other ranks': its tiles do no work
+        tile_expert = jnp.where(tile_expert == num_experts, EMPTY_TILE, tile_expert)
     # Padding rows carry pair index T*k: out of range, so the gathers fill them with zeros.
     rows_x = x.at[order // k].get(mode="fill", fill_value=0)
     rows_w = weights.reshape(t * k).astype(jnp.float32).at[order].get(mode="fill", fill_value=0)
