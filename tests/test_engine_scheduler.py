@@ -258,6 +258,29 @@ def test_concurrent_mixed_requests_match_reference(launch, rnd):
         assert_pool_clean(eng)
 
 
+@pytest.mark.parametrize("launch", [{}, {"disable_overlap_schedule": True},
+                                    {"debug_force_retraction_interval": 2}])
+def test_token_stops_end_requests_exactly(launch, rnd):
+    """stop_token_ids end most requests mid-run. Under the overlap schedule such a request is known
+    to have ended one step late: its extra row is computed and discarded, and its KV (cached, its
+    pages handed on) must not reach any other request -- the fake's KV chain would show it."""
+    eng = make_engine(FakeRunner(num_pages=41), **launch)
+    prompts = [[rnd.randrange(VOCAB) for _ in range(rnd.randrange(1, 14))] for _ in range(24)]
+    stops = [[rnd.randrange(VOCAB), rnd.randrange(VOCAB)] for _ in prompts]
+    with eng:
+        outs = eng.generate(input_ids=prompts, sampling_params=[
+            greedy(16, ignore_eos=False, stop_token_ids=s) for s in stops])
+        ended_by_token = 0
+        for prompt, stop, out in zip(prompts, stops, outs):
+            want = reference_greedy(prompt, 16)
+            cut = next((i + 1 for i, t in enumerate(want) if t in stop), 16)
+            assert out["output_ids"] == want[:cut]
+            ended_by_token += cut < 16
+        assert ended_by_token >= 6
+        assert eng.runner.null_reads == 0
+        assert_pool_clean(eng)
+
+
 def test_pool_exhaustion_retracts_and_completes():
     runner = FakeRunner(num_pages=9)  # 8 pages = 32 tokens for eight requests of 5 + 12 tokens
     eng = make_engine(runner, disable_radix_cache=True)
