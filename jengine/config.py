@@ -100,6 +100,9 @@ class LaunchConfig:
     debug_force_retraction_interval: int = _opt(0, "retract every running request every N steps "
                                                 "(negative: also mid-prefill); 0 = off")
     skip_warmup: bool = _opt(False, "do not compile the shape buckets at startup", flag=True)
+    disable_overlap_schedule: bool = _opt(False, "resolve each step before scheduling the next "
+                                          "(the overlap schedule builds step N+1 while step N "
+                                          "runs; docs/engine.md)", flag=True)
 
     # -- server ----------------------------------------------------------------------------------
     host: str = _opt("127.0.0.1", "bind address (loopback by default)")

@@ -9,6 +9,7 @@ bit under every other condition the contract covers:
   chunk-N     fresh engines with chunked-prefill sizes N in {small, odd, large}
   prefix-hit  a prefix of each prompt cached first, ending off a page boundary
   retract+N   --debug-force-retraction-interval N (N < 0 also retracts mid-prefill)
+  overlap-off a fresh engine with --disable-overlap-schedule (overlap-on when the baseline has it)
 
 at every requested temperature (T > 0 with a fixed seed per prompt). Logprobs are compared as
 float bits, so -0.0 != +0.0 and a NaN is caught. The first divergence is reported with the request,
@@ -245,6 +246,11 @@ class InvarianceHarness:
         variants = [(f"chunk-{n}", dict(chunked_prefill_size=n)) for n in self.cfg.chunk_sizes]
         variants += [(f"retract{n:+d}", dict(debug_force_retraction_interval=n))
                      for n in self.cfg.retraction_intervals]
+        # The other engine loop: the overlap schedule changes when an ended request leaves the
+        # batch, never a bit (docs/engine.md, "Overlap schedule").
+        overlap_off = bool(dict(self.cfg.launch).get("disable_overlap_schedule"))
+        variants.append(("overlap-on" if overlap_off else "overlap-off",
+                         dict(disable_overlap_schedule=not overlap_off)))
         for mode, options in variants:
             eng = self._factory(**options)
             try:

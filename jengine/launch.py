@@ -109,6 +109,7 @@ class LaunchPlan:
     sampler: SamplerOptions
     server: ServerOptions
     input_logprob_chunk_tokens: int
+    overlap_schedule: bool = True  # schedule step N+1 while step N runs (docs/engine.md)
 
     @property
     def model(self) -> ModelOptions:
@@ -239,4 +240,5 @@ def plan_launch(resolved: ResolvedLaunch, model_config: Any) -> LaunchPlan:
         server=ServerOptions(host=launch.host, port=launch.port, api_key=launch.api_key,
                              served_model_name=launch.served_model_name,
                              log_level=launch.log_level),
-        input_logprob_chunk_tokens=launch.input_logprob_chunk_tokens)
+        input_logprob_chunk_tokens=launch.input_logprob_chunk_tokens,
+        overlap_schedule=not launch.disable_overlap_schedule)

@@ -13,6 +13,7 @@ import pytest
 from jengine import bench
 from jengine.bench import e2e as bench_e2e
 from jengine.bench import model as bench_model
+from jengine.bench.compare import compare_rows, render_comparison
 from jengine.bench.report import decode_bytes, prefill_flops, render, target_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -105,7 +106,7 @@ def test_part_timeouts_and_launch_sizing():
         bench.part_timeouts(["nope=3"])
     args = bench.add_arguments(argparse.ArgumentParser()).parse_args([])
     args.numerics = "auto"
-    assert args.parts == ["roofline", "leaves", "model", "engine", "hf"]
+    assert args.parts == ["roofline", "leaves", "model", "engine", "server", "hf"]
     model = bench_model._model_launch(args)  # bs 256 x 1025 tokens beats bs 16 x 8193
     assert model.max_total_tokens == 256 * 65 * 16 and model.context_length > 8192
     e2e = bench_e2e._e2e_launch(args)
@@ -114,9 +115,10 @@ def test_part_timeouts_and_launch_sizing():
 
 
 def _bench_cli(tmp_path, numerics):
-    argv = [sys.executable, "-m", "jengine.cli", "bench", "--parts", "engine", "hf", "--shape",
-            "small", "--numerics", *numerics, "--e2e-requests", "4", "--e2e-input", "32",
-            "--e2e-output", "8", "--hf-batch", "2", "--context", "32", "--hf-new-tokens", "4",
+    argv = [sys.executable, "-m", "jengine.cli", "bench", "--parts", "engine", "server", "hf",
+            "--shape", "small", "--numerics", *numerics, "--e2e-requests", "4", "--e2e-input",
+            "32", "--e2e-output", "8", "--loop-batch", "2", "--server-clients", "3",
+            "--hf-batch", "2", "--context", "32", "--hf-new-tokens", "4",
             "--iters", "2", "--part-timeout", "120", "--out", str(tmp_path)]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": ROOT})
@@ -126,10 +128,47 @@ def _bench_cli(tmp_path, numerics):
 
 def _check_engine(r):
     assert "error" not in r, r
-    assert r["finish_reasons"] == {"length": 4} and r["output_tokens_total"] == 4 * 8
-    for key in ("wall_s", "output_tok_s", "total_tok_s", "req_s"):
-        assert r[key] > 0, key
-    assert r["total_tok_s"] == pytest.approx(r["output_tok_s"] * 5)  # (32 + 8) / 8
+    for run in (r, r["overlap_off"]):
+        assert run["finish_reasons"] == {"length": 4} and run["output_tokens_total"] == 4 * 8
+        for key in ("wall_s", "output_tok_s", "total_tok_s", "req_s", "ttft_p50_ms",
+                    "itl_p99_ms"):
+            assert run[key] > 0, key
+        assert run["total_tok_s"] == pytest.approx(run["output_tok_s"] * 5)  # (32 + 8) / 8
+    assert r["overlap_schedule"] and not r["overlap_off"]["overlap_schedule"]
+    loops = r["loop_overhead"]
+    assert [loops[k]["overlap_schedule"] for k in ("overlap", "overlap_off")] == [True, False]
+    assert all(row["batch"] == 2 and row["model_step_ms"] > 0 for row in loops.values())
+
+
+def _check_server(r, md):
+    assert "error" not in r, r
+    assert r["clients"] == 3 and r["output_tokens_total"] == 3 * 8
+    assert r["output_tok_s"] > 0 and r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] > 0
+    assert "| `auto` | 3 x (32 + 8) |" in md and "x | " in md  # the ratio to the engine row
+
+
+def test_latency_stats():
+    # Two requests submitted at 0 and 1 s; the second's last event brings two tokens at once.
+    stats = bench_e2e.latency_stats([0.0, 1.0], [[(0.5, 1), (0.75, 2)], [(1.25, 0), (2.0, 1),
+                                                                          (3.0, 3)]])
+    assert stats["ttft_p50_ms"] == pytest.approx(750.0)  # 500 and 1000 ms
+    assert stats["itl_p50_ms"] == pytest.approx(500.0)  # 250, 500, 500 ms
+    assert bench_e2e.latency_stats([0.0], [[]]) == {}
+
+
+def test_compare_ratios_rows_of_both_runs():
+    old = _synthetic()
+    new = json.loads(json.dumps(old))
+    new["model:auto"]["decode_ms"]["64"] = old["model:auto"]["decode_ms"]["64"] / 2
+    new["engine:auto"]["output_tok_s"] *= 2
+    rows = {k: r for k, _, _, r in compare_rows(new, old)}
+    assert rows["model:auto/decode_ms/64"] == pytest.approx(0.5)
+    assert rows["engine:auto/output_tok_s"] == pytest.approx(2.0)
+    assert rows["model:auto/decode_ms/1"] == 1.0
+    assert "engine:auto/requests" not in rows and "model:auto/context" not in rows  # settings
+    md = render_comparison(new, old, "old.json")
+    assert "| model:auto/decode_ms/64 |" in md and "| 0.500 | yes |" in md
+    assert "| engine:auto/output_tok_s |" in md and "| 2.000 | yes |" in md
 
 
 def _check_hf(r, md):
@@ -146,6 +185,7 @@ def test_engine_and_hf_parts_small(tmp_path):
     proc, results, md = _bench_cli(tmp_path, ["auto"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     _check_engine(results["engine:auto"])
+    _check_server(results["server:auto"], md)
     _check_hf(results["hf"], md)
     assert "| `auto` | 4 x (32 + 8) |" in md
     assert "## Targets (issue 8)" in md

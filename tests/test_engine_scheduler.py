@@ -9,6 +9,7 @@ greedy tokens. The reference (`reference_greedy`) computes the same chain with n
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import pytest
 from jengine.config import LaunchConfig
 from jengine.launch import plan_launch
 from jengine.numerics import resolve_launch
-from jengine.engine.batch import PageCopy, PageRestore, PageSave
+from jengine.engine.batch import PageCopy, PageRestore, PageSave, fill_placeholders
 from jengine.engine.engine import Engine
 from jengine.engine.kv_manager import KVManager
 from jengine.engine.model_runner import ModelRunner
@@ -74,8 +75,13 @@ class FakeRunner:
             self.null_reads += 1
         return page, pos % self.page_size
 
-    def forward_padded(self, batch):
-        """Like the real runner: one entry per step row (only hidden_rows are computed here)."""
+    def forward_padded(self, batch, previous_tokens=None):
+        """Like the real runner: one entry per step row (only hidden_rows are computed here);
+        placeholder rows read the previous step's sampled tokens (the overlap schedule)."""
+        if previous_tokens is not None:
+            batch = dataclasses.replace(batch, input_ids=fill_placeholders(
+                batch.input_ids, np.asarray(previous_tokens)))
+        assert (batch.input_ids >= 0).all(), "a placeholder row without the previous tokens"
         out = np.zeros(len(batch.input_ids), np.uint64)
         out[batch.hidden_rows] = self.forward(batch)
         return out
@@ -132,6 +138,17 @@ class FakeSampler:
 
     def token_logprobs(self, logits, ids):
         return log_softmax(np.asarray(logits))[np.arange(len(ids)), ids]
+
+    # The engine's calls: the Sampler's padded buckets, here host arrays (this fake has no device).
+    def sample_on_device(self, logits, rows):
+        tokens = self.sample(logits, rows)
+        return np.pad(tokens, (0, max(8, 1 << max(len(tokens) - 1, 0).bit_length()) - len(tokens)))
+
+    def token_logprobs_on_device(self, logits, ids):
+        return self.token_logprobs(np.asarray(logits)[:len(ids)], ids)
+
+    def top_logprobs_on_device(self, logits, k, rows):
+        return self.top_logprobs(logits, k, rows)
 
     def top_logprobs(self, logits, k, rows=None):
         lp = log_softmax(np.asarray(logits)[:rows])
@@ -237,6 +254,29 @@ def test_concurrent_mixed_requests_match_reference(launch, rnd):
         stats = eng.stats()
         if launch.get("debug_force_retraction_interval"):
             assert stats["retractions_total"] >= len(prompts)
+        assert eng.runner.null_reads == 0
+        assert_pool_clean(eng)
+
+
+@pytest.mark.parametrize("launch", [{}, {"disable_overlap_schedule": True},
+                                    {"debug_force_retraction_interval": 2}])
+def test_token_stops_end_requests_exactly(launch, rnd):
+    """stop_token_ids end most requests mid-run. Under the overlap schedule such a request is known
+    to have ended one step late: its extra row is computed and discarded, and its KV (cached, its
+    pages handed on) must not reach any other request -- the fake's KV chain would show it."""
+    eng = make_engine(FakeRunner(num_pages=41), **launch)
+    prompts = [[rnd.randrange(VOCAB) for _ in range(rnd.randrange(1, 14))] for _ in range(24)]
+    stops = [[rnd.randrange(VOCAB), rnd.randrange(VOCAB)] for _ in prompts]
+    with eng:
+        outs = eng.generate(input_ids=prompts, sampling_params=[
+            greedy(16, ignore_eos=False, stop_token_ids=s) for s in stops])
+        ended_by_token = 0
+        for prompt, stop, out in zip(prompts, stops, outs):
+            want = reference_greedy(prompt, 16)
+            cut = next((i + 1 for i, t in enumerate(want) if t in stop), 16)
+            assert out["output_ids"] == want[:cut]
+            ended_by_token += cut < 16
+        assert ended_by_token >= 6
         assert eng.runner.null_reads == 0
         assert_pool_clean(eng)
 
@@ -354,9 +394,9 @@ class RecordingRunner(FakeRunner):
         super().__init__(**kw)
         self.log = []
 
-    def forward_padded(self, batch):
+    def forward_padded(self, batch, previous_tokens=None):
         self.log.append(("forward",))
-        return super().forward_padded(batch)
+        return super().forward_padded(batch, previous_tokens)
 
     def copy_pages(self, src, dst):
         self.log.append(("copy", list(src), list(dst)))

@@ -52,7 +52,7 @@ def test_rl_bitwise_passes_every_mode_bitwise():
     print(table)
     modes = {r.mode for r in results}
     assert {"packed", "rerun", "prefix-hit", "chunk-4", "chunk-7", "chunk-256", "retract+3",
-            "retract-3"} <= modes
+            "retract-3", "overlap-off"} <= modes
     assert {r.temperature for r in results} == {0.0, 1.0}
     assert all(r.compared_values > 0 for r in results)
     diverged = [str(d) for r in results for d in r.divergences]
@@ -112,6 +112,7 @@ def test_rl_bitwise_other_dense_families(tmp_path, architecture):
     lines = []
     results = InvarianceHarness(cfg).run(report=lines.append)
     print(lines[0])
-    assert {r.mode for r in results} == {"packed", "rerun", "prefix-hit", "chunk-7", "retract-3"}
+    assert {r.mode for r in results} == {"packed", "rerun", "prefix-hit", "chunk-7", "retract-3",
+                                         "overlap-off"}
     diverged = [str(d) for r in results for d in r.divergences]
     assert diverged == [], "\n".join(diverged)

@@ -42,6 +42,17 @@ def _scheduler(value, name, tiny):
         return dataclasses.asdict(eng.scheduler.cfg)
 
 
+def _placeholder_steps(value, name, tiny):
+    """How many steps of a 6-token greedy request read the step in flight's tokens (overlap)."""
+    with make_engine(**{name: value}) as eng:
+        fed = []
+        forward = eng.runner.forward_padded
+        eng.runner.forward_padded = lambda batch, prev=None: fed.append(prev is not None) or \
+            forward(batch, prev)
+        eng.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 6, "temperature": 0})
+        return sum(fed)
+
+
 def _logit_calls(value, name, tiny):
     """How many logits computations a 20-token prompt scored with logprobs takes."""
     with make_engine(**{name: value}) as eng:
@@ -172,6 +183,7 @@ PROBES = {
     "disable_radix_cache": (True, _scheduler),
     "debug_force_retraction_interval": (3, _scheduler),
     "skip_warmup": (True, _warmup_runs),
+    "disable_overlap_schedule": (True, _placeholder_steps),
     "host": ("0.0.0.0", _serve_argv),
     "port": (8080, _serve_argv),
     "api_key": ("sekret", _server_app),

@@ -2,6 +2,7 @@
 
     jengine bench [--parts roofline leaves model engine hf] [--numerics auto rl-bitwise] [--out DIR]
     jengine bench --merge run1/bench.json run2/bench.json --out DIR   # one report from several runs
+    jengine bench ... --compare previous/bench.json   # and every row's ratio against a previous run
 
 Parts, each run in its own subprocess with its own --part-timeout (XLA flags differ per --numerics
 and must be set before the backend starts); `model` and `engine` run once per --numerics:
@@ -17,7 +18,13 @@ and must be set before the backend starts); `model` and `engine` run once per --
             --prefill-tokens.
   engine    the whole Engine (scheduler, runner, sampler, output thread) on the same random model:
             --e2e-requests requests of --e2e-input random prompt tokens and --e2e-output greedy
-            output tokens (ignore_eos), all submitted at once; wall time to the last one finished.
+            output tokens (ignore_eos), all submitted at once and streamed; wall time to the last
+            one finished, TTFT and inter-token latency percentiles; with the overlap schedule
+            (the default) and without; then the loop overhead at --loop-batch decode rows (the
+            Engine's step against the model's own step).
+  server    --server-clients streaming /generate clients against a server process on 127.0.0.1
+            (the same model and workload, the real app): throughput against the engine row,
+            TTFT and inter-token latency percentiles.
   hf        the peer: HF transformers LlamaForCausalLM of the same shape, random weights, greedy
             `generate` (static cache when it works) at --hf-batch x --context + --hf-new-tokens.
 Every time is the median of --iters timed runs after warm-up (engine: one timed run). Writes
@@ -39,10 +46,11 @@ from jengine.bench.common import LLAMA3_8B, PADDED_VOCAB, ROWS, SHAPES, SMALL  #
 from jengine.bench.device import part_leaves, part_roofline
 from jengine.bench.e2e import part_engine, part_hf
 from jengine.bench.model import part_model
+from jengine.bench.server import part_server
 
 PARTS = {"roofline": part_roofline, "leaves": part_leaves, "model": part_model,
-         "engine": part_engine, "hf": part_hf}
-PER_NUMERICS = ("model", "engine")  # parts run once per --numerics; the others once
+         "engine": part_engine, "server": part_server, "hf": part_hf}
+PER_NUMERICS = ("model", "engine", "server")  # parts run once per --numerics; the others once
 
 
 # -- orchestration ---------------------------------------------------------------------------------
@@ -69,6 +77,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--e2e-requests", type=int, default=256, help="engine: requests submitted at once")
     p.add_argument("--e2e-input", type=int, default=1024, help="engine: prompt tokens per request")
     p.add_argument("--e2e-output", type=int, default=256, help="engine: output tokens per request")
+    p.add_argument("--loop-batch", type=int, default=64,
+                   help="engine: decode rows of the loop-overhead row (0 = skip)")
+    p.add_argument("--server-clients", type=int, default=256,
+                   help="server: concurrent /generate clients, one request each (the engine "
+                        "part's workload: --e2e-input / --e2e-output tokens)")
     p.add_argument("--hf-batch", type=int, default=64, help="hf: generate batch")
     p.add_argument("--hf-new-tokens", type=int, default=64, help="hf: tokens generated per row")
     p.add_argument("--part-timeout", nargs="+", default=["540"], metavar="[PART=]SECONDS",
@@ -80,6 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--merge", nargs="+", metavar="BENCH_JSON",
                    help="run nothing: merge bench.json files of separate runs (later ones win per "
                         "part) and render them together into --out")
+    p.add_argument("--compare", metavar="BENCH_JSON",
+                   help="also print (and append to bench.md) every row's new / old ratio against "
+                        "a previous run's bench.json")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     return p
 
@@ -92,7 +108,7 @@ def add_parser(subparsers):
 # Options a child needs, forwarded as given (--numerics is forwarded one value per child).
 CHILD_OPTIONS = ("batch_sizes", "context", "long_context", "long_context_batch", "prefill_tokens",
                  "rows", "iters", "tile_candidates", "leaf_shapes", "e2e_requests", "e2e_input", "e2e_output",
-                 "hf_batch", "hf_new_tokens", "shape")
+                 "loop_batch", "server_clients", "hf_batch", "hf_new_tokens", "shape")
 
 
 def _child_argv(args) -> list[str]:
@@ -183,13 +199,19 @@ def merge_results(paths: list[str]) -> dict:
     return merged
 
 
-def _write(results: dict, out_dir: str) -> str:
+def _write(results: dict, out_dir: str, compare: str | None = None) -> str:
     from jengine.bench.report import render
 
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "bench.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     md = render(results)
+    if compare:
+        from jengine.bench.compare import render_comparison
+
+        with open(compare) as f:
+            md += "\n" + render_comparison(json.loads(json.dumps(results, default=str)),
+                                           json.load(f), compare)
     with open(os.path.join(out_dir, "bench.md"), "w") as f:
         f.write(md)
     return md
@@ -205,7 +227,7 @@ def main(args) -> int:
                 key = part if numerics == "-" else f"{part}:{numerics}"
                 print(f"== {key}", flush=True)
                 results[key] = _run_child(part, numerics if numerics != "-" else "auto", args)
-    print(_write(results, args.out))
+    print(_write(results, args.out, args.compare))
     return 0 if not any("error" in v for v in results.values() if isinstance(v, dict)) else 1
 
 

@@ -120,23 +120,53 @@ class _CompileClock:
             unregister(self._listen)
 
 
-def _run_workload(engine, prompts, sampling: dict) -> tuple[float, list[dict]]:
-    """Wall seconds from submitting every request to the last one finished, and the outputs."""
+def latency_stats(submitted: list[float], arrivals: list[list[tuple[float, int]]]) -> dict:
+    """TTFT and inter-token latency percentiles (ms) from each request's submit time and its
+    (arrival time, tokens so far) stream events; an event of k new tokens counts k gaps of 1/k."""
+    import numpy as np
+
+    ttft, itl = [], []
+    for t0, events in zip(submitted, arrivals):
+        events = [(t, n) for t, n in events if n > 0]
+        if not events:
+            continue
+        ttft.append(events[0][0] - t0)
+        for (ta, na), (tb, nb) in zip(events, events[1:]):
+            if nb > na:
+                itl += [(tb - ta) / (nb - na)] * (nb - na)
+    out = {}
+    for name, xs in (("ttft", ttft), ("itl", itl)):
+        if xs:
+            p50, p90, p99 = np.percentile(np.asarray(xs) * 1e3, [50, 90, 99])
+            out.update({f"{name}_p50_ms": p50, f"{name}_p90_ms": p90, f"{name}_p99_ms": p99})
+    return out
+
+
+def _run_workload(engine, prompts, sampling: dict) -> tuple[float, list[dict], dict]:
+    """Wall seconds from submitting every request to the last one finished, the outputs, and the
+    TTFT / inter-token latency percentiles (streamed: each token timed as the caller gets it)."""
+    arrivals = [[] for _ in prompts]
+    submitted = []
     t0 = time.perf_counter()
-    handles = [engine.submit(input_ids=ids, sampling_params=sampling) for ids in prompts]
+    handles = []
+    for i, ids in enumerate(prompts):
+        submitted.append(time.perf_counter())
+        handles.append(engine.submit(
+            input_ids=ids, sampling_params=sampling, stream=True,
+            on_output=lambda out, a=arrivals[i]: a.append((time.perf_counter(),
+                                                           len(out["output_ids"])))))
     outs = [h.result() for h in handles]
-    return time.perf_counter() - t0, outs
+    return time.perf_counter() - t0, outs, latency_stats(submitted, arrivals)
 
 
 def part_engine(args) -> dict:
-    import collections
-
-    import numpy as np
+    """The workload on the overlapped loop (the default; the top-level fields) and on the
+    synchronous one (`overlap_off`), then the loop overhead at --loop-batch decode rows."""
+    import dataclasses
 
     launch = _e2e_launch(args)
     t0 = time.time()
     runner, plan, loaded = random_runner(args.shape, args.numerics, launch)
-    from jengine.engine.engine import Engine
     from jengine.engine.sampler import Sampler
 
     sampler = Sampler(plan.sampler, loaded.config.vocab_size)
@@ -147,10 +177,37 @@ def part_engine(args) -> dict:
            "build_s": time.time() - t0}
     out["warmup_s"] = _warm_step_programs(runner, sampler, args)
     _checkpoint(args, out)
-    engine = Engine.from_components(
+    for overlap in (True, False):
+        run = _engine_run(runner, sampler, dataclasses.replace(plan, overlap_schedule=overlap),
+                          loaded, args)
+        if overlap:
+            out.update(run)
+        else:
+            out["overlap_off"] = run
+        _checkpoint(args, out)
+    if args.loop_batch:
+        out["loop_overhead"] = {
+            name: _loop_overhead(runner, sampler, dataclasses.replace(plan, overlap_schedule=on),
+                                 loaded, args)
+            for name, on in (("overlap", True), ("overlap_off", False))}
+    return out
+
+
+def _make_engine(runner, sampler, plan, loaded):
+    from jengine.engine.engine import Engine
+
+    return Engine.from_components(
         plan=plan, model_config=loaded.config, tokenizer=None,
         eos_token_ids=loaded.eos_token_ids, runner=runner, sampler=sampler,
         detokenizer_factory=_NullDetokenizer, model_info={"model_dir": "random weights"})
+
+
+def _engine_run(runner, sampler, plan, loaded, args) -> dict:
+    import collections
+
+    import numpy as np
+
+    engine = _make_engine(runner, sampler, plan, loaded)
     rng = np.random.default_rng(0)
     # Greedy, and ignore_eos so every request yields exactly --e2e-output tokens.
     sampling = {"max_new_tokens": args.e2e_output, "temperature": 0.0, "ignore_eos": True}
@@ -160,18 +217,64 @@ def part_engine(args) -> dict:
         engine.submit(input_ids=warm, sampling_params={**sampling, "max_new_tokens": 4}).result()
         engine.flush_cache()  # the timed run starts from an empty prefix cache
         with _CompileClock() as clock:
-            wall, outs = _run_workload(engine, prompts, sampling)
+            wall, outs, latency = _run_workload(engine, prompts, sampling)
     finally:
         engine.shutdown()
     produced = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    out.update(
-        wall_s=wall, output_tokens_total=produced,
+    out = dict(
+        overlap_schedule=plan.overlap_schedule, wall_s=wall, output_tokens_total=produced,
         finish_reasons=dict(collections.Counter(o["meta_info"]["finish_reason"]["type"]
                                                 for o in outs)),
         output_tok_s=produced / wall, total_tok_s=(produced + args.e2e_input * len(outs)) / wall,
-        req_s=len(outs) / wall, compiles_in_timing=clock.count, compile_s_in_timing=clock.seconds)
-    print(f"[{args.numerics}] e2e {len(outs)} requests: {wall:.2f} s, "
-          f"{out['output_tok_s']:.0f} output tok/s", flush=True)
+        req_s=len(outs) / wall, compiles_in_timing=clock.count, compile_s_in_timing=clock.seconds,
+        **latency)
+    print(f"[{args.numerics}] e2e {len(outs)} requests, overlap {plan.overlap_schedule}: "
+          f"{wall:.2f} s, {out['output_tok_s']:.0f} output tok/s, ITL p50 "
+          f"{out.get('itl_p50_ms', 0):.2f} ms", flush=True)
+    return out
+
+
+def _loop_overhead(runner, sampler, plan, loaded, args) -> dict:
+    """The Engine's decode step at --loop-batch rows (its median inter-token latency, every
+    request decoding in lockstep) against the model's own step at that batch and the run's middle
+    context: forward, LM head and sampling dispatched back to back, so host time hides behind the
+    device's. overhead_pct = how much longer the Engine's step is (the issue's <= 5 % goal)."""
+    import jax
+    import numpy as np
+
+    from jengine.engine.batch import SamplingRows, StepBatch
+
+    bs = min(args.loop_batch, args.e2e_requests, E2E_MAX_RUNNING)  # what the pool is sized for
+    engine = _make_engine(runner, sampler, plan, loaded)
+    rng = np.random.default_rng(1)
+    sampling = {"max_new_tokens": args.e2e_output, "temperature": 0.0, "ignore_eos": True}
+    try:
+        _, _, latency = _run_workload(engine, rng.integers(0, 32000, (bs, args.e2e_input)).tolist(),
+                                      sampling)
+    finally:
+        engine.shutdown()
+    context = args.e2e_input + args.e2e_output // 2
+    pages = _pages(context + 1, runner.page_size)
+    batch = StepBatch(input_ids=np.arange(bs) % 1000, positions=np.full(bs, context),
+                      token_req=np.arange(bs),
+                      block_tables=1 + np.arange(bs * pages, dtype=np.int32).reshape(bs, pages),
+                      hidden_rows=np.arange(bs))
+    zeros = np.zeros(bs)
+    rows = SamplingRows(temperature=zeros, top_k=zeros - 1, top_p=zeros + 1, min_p=zeros,
+                        seed=zeros, position=zeros + context)
+
+    def model_step():
+        return sampler.sample_on_device(runner.logits_at(runner.forward_padded(batch),
+                                                         batch.hidden_rows), rows)
+
+    model_ms = _median_time(model_step, args.iters, warmup=2, back_to_back=8,
+                            sync=jax.block_until_ready) * 1e3
+    engine_ms = latency.get("itl_p50_ms")
+    out = {"batch": bs, "context": context, "model_step_ms": model_ms,
+           "engine_step_ms": engine_ms, "overlap_schedule": plan.overlap_schedule,
+           "overhead_pct": 100 * (engine_ms / model_ms - 1) if engine_ms else None}
+    print(f"[{args.numerics}] loop overhead bs={bs}, overlap {plan.overlap_schedule}: engine "
+          f"{engine_ms or 0:.2f} ms/step, model {model_ms:.2f} ms/step", flush=True)
     return out
 
 

@@ -156,6 +156,10 @@ def _counts(d) -> str:
     return ", ".join(f"{k} {v}" for k, v in d.items()) if isinstance(d, dict) else "-"
 
 
+def _latency(r: dict, name: str) -> str:
+    return " / ".join(_fmt(r.get(f"{name}_{p}_ms"), ".1f") for p in ("p50", "p90", "p99"))
+
+
 def _engine_section(engines: dict) -> list[str]:
     if not engines:
         return []
@@ -165,19 +169,58 @@ def _engine_section(engines: dict) -> list[str]:
     done = {n: r for n, r in engines.items() if r.get("wall_s")}
     if done:
         lines += ["| numerics | requests x (input + output) | wall s | output tok/s | total tok/s "
-                  "| req/s | compiled inside the timing | finish reasons |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| req/s | compiled inside the timing | finish reasons | TTFT ms p50 / p90 / p99 "
+                  "| ITL ms p50 / p90 / p99 |", "|---|---|---|---|---|---|---|---|---|---|"]
         for n, r in done.items():
-            lines.append(
-                f"| `{n}` | {r.get('requests')} x ({r.get('input_tokens')} + {r.get('output_tokens')}) "
-                f"| {r['wall_s']:.2f} | {_fmt(r.get('output_tok_s'), '.0f')} | "
-                f"{_fmt(r.get('total_tok_s'), '.0f')} | {_fmt(r.get('req_s'), '.2f')} | "
-                f"{r.get('compiles_in_timing', '-')} programs, "
-                f"{_fmt(r.get('compile_s_in_timing'), '.1f')} s "
-                f"| {_counts(r.get('finish_reasons'))} |")
+            for label, run in ((f"`{n}`", r), (f"`{n}`, overlap off", r.get("overlap_off"))):
+                if not run or not run.get("wall_s"):
+                    continue
+                lines.append(
+                    f"| {label} | {r.get('requests')} x ({r.get('input_tokens')} + "
+                    f"{r.get('output_tokens')}) | {run['wall_s']:.2f} | "
+                    f"{_fmt(run.get('output_tok_s'), '.0f')} | {_fmt(run.get('total_tok_s'), '.0f')} "
+                    f"| {_fmt(run.get('req_s'), '.2f')} | {run.get('compiles_in_timing', '-')} "
+                    f"programs, {_fmt(run.get('compile_s_in_timing'), '.1f')} s "
+                    f"| {_counts(run.get('finish_reasons'))} | {_latency(run, 'ttft')} "
+                    f"| {_latency(run, 'itl')} |")
         ratio = _ratio({n: r["wall_s"] for n, r in done.items()})
         if ratio:
             lines += ["", f"rl-bitwise / auto wall time: {ratio:.2f}"]
+        lines.append("")
+    loops = [(n, name, row) for n, r in done.items()
+             for name, row in (r.get("loop_overhead") or {}).items()]
+    if loops:
+        lines += ["Loop overhead: the Engine's decode step (its median inter-token latency, every "
+                  "request decoding) against the model's own step (forward + LM head + sampling "
+                  "dispatched back to back) at the same batch and context; the goal is <= 5 %.", "",
+                  "| numerics | loop | batch, context | Engine ms/step | model ms/step | overhead |",
+                  "|---|---|---|---|---|---|"]
+        for n, name, row in loops:
+            lines.append(f"| `{n}` | {name.replace('_', ' ')} | {row.get('batch')}, "
+                         f"{row.get('context')} | {_fmt(row.get('engine_step_ms'), '.2f')} | "
+                         f"{_fmt(row.get('model_step_ms'), '.2f')} | "
+                         f"{_fmt(row.get('overhead_pct'), '.1f')} % |")
+        lines.append("")
+    return lines
+
+
+def _server_section(servers: dict, engines: dict) -> list[str]:
+    if not servers:
+        return []
+    lines = ["## Server (streaming `/generate` clients, one request each, on 127.0.0.1)", ""]
+    for name, r in servers.items():
+        lines += _stopped(f"server --numerics {name}", r)
+    done = {n: r for n, r in servers.items() if r.get("wall_s")}
+    if done:
+        lines += ["| numerics | clients x (input + output) | wall s | output tok/s | vs in-process "
+                  "Engine | TTFT ms p50 / p90 / p99 | ITL ms p50 / p90 / p99 |",
+                  "|---|---|---|---|---|---|---|"]
+        for n, r in done.items():
+            ours, engine = r.get("output_tok_s"), (engines.get(n) or {}).get("output_tok_s")
+            lines.append(f"| `{n}` | {r.get('clients')} x ({r.get('input_tokens')} + "
+                         f"{r.get('output_tokens')}) | {r['wall_s']:.2f} | {_fmt(ours, '.0f')} | "
+                         f"{_fmt(ours / engine if ours and engine else None, '.2f')}x | "
+                         f"{_latency(r, 'ttft')} | {_latency(r, 'itl')} |")
         lines.append("")
     return lines
 
@@ -349,6 +392,7 @@ def render(results: dict) -> str:
     lines += _model_section(_by_numerics(results, "model"), roof.get("hbm_TBps"),
                             roof.get("gemm_TFLOPs"))
     lines += _engine_section(_by_numerics(results, "engine"))
+    lines += _server_section(_by_numerics(results, "server"), _by_numerics(results, "engine"))
     lines += _hf_section(results)
     lines += _targets_section(results)
     return "\n".join(lines)

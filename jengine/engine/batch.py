@@ -20,6 +20,23 @@ if TYPE_CHECKING:
     from jengine.engine.request import RetractionImage
 
 
+def placeholder(index: int) -> int:
+    """The input id of a row whose token the step in flight is still sampling: its `index`-th
+    sampled token (the overlap schedule, docs/engine.md). Token ids are >= 0, so a negative id is
+    never a real token; the runner swaps it for that token on the device (`fill_placeholders`)."""
+    return -1 - index
+
+
+def fill_placeholders(input_ids, previous_tokens):
+    """input_ids with every placeholder replaced by the previous step's sampled token; works on
+    host (numpy) and traced (jax.numpy) arrays alike, so a test's fake runner shares the rule."""
+    xp = np
+    if not (isinstance(input_ids, np.ndarray) and isinstance(previous_tokens, np.ndarray)):
+        import jax.numpy as xp  # only here: the scheduler imports this module, and no device
+    index = xp.clip(-1 - input_ids, 0, previous_tokens.shape[0] - 1)
+    return xp.where(input_ids < 0, previous_tokens[index], input_ids).astype(np.int32)
+
+
 @dataclass
 class StepBatch:
     """Host-side arrays for one forward; the runner pads them to its shape buckets.
@@ -28,7 +45,9 @@ class StepBatch:
     hidden states are returned (sampling rows and prompt-logprob rows).
     """
 
-    input_ids: np.ndarray  # int32[T]: prefill chunks and decode tokens, grouped by request
+    # int32[T]: prefill chunks and decode tokens, grouped by request; a negative id is a
+    # `placeholder` for a token the step in flight is sampling
+    input_ids: np.ndarray
     positions: np.ndarray  # int32[T]: absolute position of each token in its request
     token_req: np.ndarray  # int32[T]: row of block_tables the token belongs to
     block_tables: np.ndarray  # int32[R, P]: page ids of each request, in position order

@@ -36,11 +36,12 @@ from jengine.config import LaunchConfig, launch_config_from_kwargs
 from jengine.engine.io_struct import (RequestHandle, RequestLimits, normalize_generate_args,
                                       validate_request)
 from jengine.engine.kv_manager import KVManager
-from jengine.engine.step_executor import SegmentResult, execute_step
+from jengine.engine.batch import placeholder
+from jengine.engine.step_executor import InFlightStep, SegmentResult, dispatch_step
 from jengine.engine.output_processor import OutputProcessor, RequestState, StepOutput
 from jengine.engine.request import InvalidRequest, Req
 from jengine.engine.rl_control import RLControl, _unwrap
-from jengine.engine.scheduler import Scheduler, Segment
+from jengine.engine.scheduler import ScheduledStep, Scheduler, Segment
 from jengine.launch import LaunchPlan
 
 logger = logging.getLogger("jengine.engine")
@@ -135,6 +136,9 @@ class Engine(RLControl):
         self._stopping = False
         self._counters = collections.Counter()
         self._step_latency: collections.deque[float] = collections.deque(maxlen=256)
+        # --overlap-schedule: the dispatched step whose results the loop has not read yet
+        self._overlap = plan.overlap_schedule
+        self._in_flight: InFlightStep | None = None
         self.output_processor = OutputProcessor(self._finish_from_processor, self._on_request_finished)
         self._thread = threading.Thread(target=self._loop, name="jengine-engine", daemon=True)
         self._thread.start()
@@ -339,15 +343,21 @@ class Engine(RLControl):
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not (self._inbox or self._stopping or self._can_step()):
+                while not (self._inbox or self._stopping or self._can_step()
+                           or self._in_flight is not None):
                     self._cv.wait()
-                if self._stopping:
+                stopping = self._stopping
+                inbox, self._inbox = ([], self._inbox) if stopping else (self._inbox, [])
+            if stopping:
+                self._drain()  # its sealed requests finish; shutdown fails the rest
+                with self._cv:
                     for op, payload in self._inbox:  # release anyone blocked in _call
                         if op not in ("add", "finish"):  # the ones a caller waits on
                             payload[1]["done"].set()
                     self._unblock_swap_callers()
-                    return
-                inbox, self._inbox = self._inbox, []
+                return
+            if any(op != "add" for op, _ in inbox):
+                self._drain()  # a command sees no step in flight: no placeholder, nothing sealed
             for op, payload in inbox:
                 try:
                     self._handle(op, payload)
@@ -356,6 +366,9 @@ class Engine(RLControl):
             self._apply_waiting_swaps()
             if self._can_step():
                 self._step()
+                self._apply_waiting_swaps()
+            elif self._in_flight is not None:
+                self._drain()
                 self._apply_waiting_swaps()
             self._flush_events()
 
@@ -409,6 +422,9 @@ class Engine(RLControl):
                 box["done"].set()
 
     def _step(self) -> None:
+        """Schedule and dispatch the next step; resolve the one in flight (if any) after the
+        dispatch, so the device never waits on this thread (docs/engine.md, "Overlap schedule").
+        Without --overlap-schedule the new step is resolved at once: today's synchronous loop."""
         t0 = time.perf_counter()
         try:
             step = self.scheduler.schedule()
@@ -421,9 +437,27 @@ class Engine(RLControl):
             for req in self.scheduler.finished_by_scheduler:
                 self._emit(req)
             self.scheduler.finished_by_scheduler.clear()
+        previous, self._in_flight = self._in_flight, None
+        flight = self._dispatch(step, previous)
+        if previous is not None:
+            self._resolve(previous)
+        if flight is None or step.batch is None:
+            return  # failed, or page transfers only: nothing to resolve
+        flight.started = t0
+        if self._overlap:
+            self._commit_ahead(flight)
+            self._in_flight = flight
+        else:
+            self._resolve(flight)
+
+    def _dispatch(self, step: ScheduledStep, previous: InFlightStep | None) -> InFlightStep | None:
+        placeholders = step.batch is not None and bool((step.batch.input_ids < 0).any())
+        if placeholders and previous is None:  # an engine bug: say so rather than feed garbage
+            raise RuntimeError("a step reads placeholder tokens, but no step is in flight")
         try:
-            results = execute_step(self.runner, self.sampler, step,
-                                   self.plan.input_logprob_chunk_tokens)
+            return dispatch_step(self.runner, self.sampler, step,
+                                 self.plan.input_logprob_chunk_tokens,
+                                 previous.tokens if placeholders else None)
         except Exception as exc:
             logger.exception("step failed; aborting its %d request(s)", len(step.segments))
             for seg in step.segments:
@@ -432,30 +466,75 @@ class Engine(RLControl):
             for req in list(self.scheduler.waiting):
                 if req.image is not None and not req.image.saved:
                     self._fail(req, f"step failed before its KV was saved: {exc!r}")
+            return None
+
+    def _commit_ahead(self, flight: InFlightStep) -> None:
+        """Overlap: the scheduler may build the next step on the dispatched one's outcome before
+        its tokens are known. Its frontiers advance (its K/V will be written before any later step
+        reads them: JAX runs the steps in dispatch order), each sampled token is a placeholder the
+        next step's row reads on the device, and a request its pending token ends whatever it is
+        (max_new_tokens, the context, a prompt-only request) is sealed: released now, exactly as
+        the synchronous loop would release it after this step, and finished when resolved."""
+        index = {id(seg): i for i, seg in enumerate(flight.sampled)}
+        for seg in flight.step.segments:
+            req = seg.req
+            if req.finished:
+                continue  # ended by the step resolved just before; this row is discarded
+            self.scheduler.commit(seg)
+            if seg.sample:
+                req.output_ids.append(placeholder(index[id(seg)]))
+                ends = req.ends_whatever_token(self.max_context)
+            else:
+                ends = req.num_computed == req.num_tokens and req.sampling.max_new_tokens == 0
+            if ends:
+                self.scheduler.finish(req)  # the tokens it caches are known: the last is not
+                req.sealed = True
+        flight.committed = True
+
+    def _drain(self) -> None:
+        """Resolve the step in flight, if any."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is not None:
+            self._resolve(flight)
+
+    def _resolve(self, flight: InFlightStep) -> None:
+        """Wait for a dispatched step's results; tokens, stop checks and events, in segment order."""
+        step = flight.step
+        try:
+            results = flight.resolve()
+        except Exception as exc:
+            logger.exception("step failed; aborting its %d request(s)", len(step.segments))
+            for seg in step.segments:
+                self._fail(seg.req, f"step failed: {exc!r}")
             return
-        if step.batch is None:
-            return  # page transfers only: no forward to time
         for seg in step.segments:
             if seg.req.finished:
-                continue  # defensive: commands (abort, finish) only run between steps
+                # Finished after this step was built: aborted, failed, or (overlap) an eos that
+                # the step before it sampled. Its row is discarded; nothing is emitted.
+                continue
             try:
-                self._process(seg, results[id(seg)])
+                self._process(seg, results[id(seg)], committed=flight.committed)
             except Exception as exc:
                 logger.exception("post-processing request %s failed", seg.req.rid)
                 self._fail(seg.req, f"post-processing failed: {exc!r}")
         with self._cv:
-            self._step_latency.append(time.perf_counter() - t0)
+            self._step_latency.append(time.perf_counter() - flight.started)
 
-    def _process(self, seg: Segment, res: SegmentResult) -> None:
+    def _process(self, seg: Segment, res: SegmentResult, committed: bool) -> None:
+        """committed: `_commit_ahead` already advanced the frontier and appended a placeholder."""
         req = seg.req
-        self.scheduler.commit(seg)
+        if not committed:
+            self.scheduler.commit(seg)
         if seg.sample:
             with self._cv:
                 self._counters["generation_tokens"] += 1
-            req.append_token(res.token, eos_token_ids=self._eos_ids, max_context=self.max_context)
+            (req.resolve_token if committed else req.append_token)(
+                res.token, eos_token_ids=self._eos_ids, max_context=self.max_context)
         elif req.num_computed == req.num_tokens and req.sampling.max_new_tokens == 0:
             req.finish("length")  # teacher forcing / prompt scoring: nothing to generate
-        if req.finished:
+        if req.sealed and not req.finished:
+            raise RuntimeError(f"request {req.rid} was sealed but its token did not end it")
+        if req.finished and not req.sealed:
             self.scheduler.finish(req)
         ev = StepOutput.for_segment(req, res, sampled=seg.sample)
         ev.weight_version = self.weight_version

@@ -36,7 +36,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from tqdm import tqdm
 
-from jengine.engine.batch import StepBatch
+from jengine.engine.batch import StepBatch, fill_placeholders
 from jengine.engine.kv_pool import KVPool
 from jengine.launch import RunnerConfig
 from jengine.models.kv_cache import NULL_PAGE, KVPages
@@ -160,6 +160,7 @@ class ModelRunner:
                                         in_specs=(params, rep, rep), out_specs=rep,
                                         check_vma=False)
         self._forward = jax.jit(forward, donate_argnums=(1,))
+        self._fill_placeholders = jax.jit(fill_placeholders)
         self._logits_rows = jax.jit(logits_rows)
         self._vocab_parallel_heads = {}  # the Sampler's plans -> vocab_parallel_head's program
 
@@ -349,13 +350,16 @@ class ModelRunner:
         return jnp.take(self.forward_padded(batch), jnp.asarray(batch.hidden_rows, jnp.int32),
                         axis=0)
 
-    def forward_padded(self, batch: StepBatch) -> jax.Array:
+    def forward_padded(self, batch: StepBatch, previous_tokens=None) -> jax.Array:
         """Run one step; returns the final-norm hidden states of every row of the step's token
         bucket [T_pad, H] (rows past batch.num_tokens are padding). The engine's path: pair it
-        with `logits_at`, so no program is compiled per number of returned rows."""
-        return self.forward_routed(batch)[0]
+        with `logits_at`, so no program is compiled per number of returned rows.
+        previous_tokens: the sampled ids of the step in flight, which the batch's placeholder
+        rows read on the device (`batch.fill_placeholders`); None when it has none."""
+        return self.forward_routed(batch, previous_tokens)[0]
 
-    def forward_routed(self, batch: StepBatch) -> tuple[jax.Array, jax.Array | None]:
+    def forward_routed(self, batch: StepBatch,
+                       previous_tokens=None) -> tuple[jax.Array, jax.Array | None]:
         """`forward_padded`'s hidden states and, for a model that routes tokens to experts, the
         expert ids int32[T_pad, layers, k] of every row (None otherwise). The same program: the
         ids stay on the device unless the caller reads them."""
@@ -380,6 +384,10 @@ class ModelRunner:
         if self._eplb is not None and self._eplb.rebalance_interval and \
                 self.eplb_steps >= self._eplb.rebalance_interval:
             self.rebalance_experts()
+        if previous_tokens is not None:
+            # A separate small program, so the step program (and its bits) is the one without
+            # overlap; the ids stay on the device, and nothing here waits for the step in flight.
+            input_ids = self._fill_placeholders(input_ids, previous_tokens)
         pool = self.kv_pool
         hidden, pool.arrays, *routed = self._forward(self._params, pool.arrays, input_ids,
                                                      positions, token_req, block_tables)

@@ -215,6 +215,9 @@ class Req:
     # False once the weights changed under this request (an update while generation was paused):
     # its KV then mixes two weight versions and is never offered to the prefix cache.
     kv_reusable: bool = True
+    # The overlap schedule: its pages are already released because its last output, still being
+    # sampled, ends it whatever it is; it takes no more rows and finishes when that token is known.
+    sealed: bool = False
 
     # Set by the engine thread when a token-level stop condition (or an abort) ends the request.
     # Text, stop strings and logprob lists live in the output processor's RequestState.
@@ -260,6 +263,24 @@ class Req:
         eos (unless ignore_eos), stop_token_ids, max_new_tokens, context length. Stop strings need
         the text, so the output processor checks them off the engine thread (output_processor.py)."""
         self.output_ids.append(token)
+        self.check_stop(token, eos_token_ids=eos_token_ids, max_context=max_context)
+
+    def resolve_token(self, token: int, *, eos_token_ids: frozenset[int], max_context: int) -> None:
+        """The overlap schedule: the last output, appended as a placeholder when its step was
+        dispatched, is now known; the stop conditions apply as `append_token`'s would have."""
+        if not self.output_ids or self.output_ids[-1] >= 0:
+            raise RuntimeError(f"request {self.rid}: no placeholder to resolve (outputs end "
+                               f"{self.output_ids[-1:]})")
+        self.output_ids[-1] = token
+        self.check_stop(token, eos_token_ids=eos_token_ids, max_context=max_context)
+
+    def ends_whatever_token(self, max_context: int) -> bool:
+        """Whether the request ends at its last output whatever that token is: max_new_tokens or
+        the context length reached (what the overlap schedule knows before the token)."""
+        return (len(self.output_ids) >= self.sampling.max_new_tokens
+                or self.num_tokens >= max_context)
+
+    def check_stop(self, token: int, *, eos_token_ids: frozenset[int], max_context: int) -> None:
         sp = self.sampling
         if (not sp.ignore_eos and token in eos_token_ids) or token in sp.stop_token_ids:
             self.finish("stop", matched=token)  # the stop token's text is not part of `text`

@@ -16,7 +16,8 @@ meanwhile are held back (`_admit`), so no request sees two weight versions; whil
 paused it applies at once. No step runs while paused or released (`_steps_blocked`).
 
 What it uses of the Engine: `scheduler`, `runner`, `_call` (run a command in the engine thread and
-wait) and `_emit` (report a request finished outside a step).
+wait), `_emit` (report a request finished outside a step) and `_drain` (resolve the step in flight
+before a swap).
 """
 
 from __future__ import annotations
@@ -195,6 +196,7 @@ class RLControl:
         weights, their KV never cached)."""
         if not self._waiting_swaps or (self.scheduler.has_work() and self._paused is None):
             return
+        self._drain()  # the step in flight (its requests all sealed or ended) runs on the old ones
         for (params, version), box in self._waiting_swaps:
             try:
                 self.runner.swap_params(params)

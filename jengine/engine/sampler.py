@@ -69,6 +69,9 @@ class Sampler:
             return gumbel_plan(logits, *rows, use_top_k=use_top_k, use_top_p=use_top_p)
 
         self._gumbel = jax.jit(gumbel, static_argnames=("use_top_k", "use_top_p"))
+        # Padding rows' draws zeroed, as the host pads ids: token_logprobs then sees equal inputs.
+        self._zero_padding = jax.jit(
+            lambda tokens, n: jnp.where(jnp.arange(tokens.shape[0]) < n, tokens, 0).astype(jnp.int32))
 
     # -- helpers ----------------------------------------------------------------------------------
     def _check_logits(self, logits, rows: int | None = None) -> int:
@@ -105,23 +108,40 @@ class Sampler:
     def sample(self, logits, rows: SamplingRows) -> np.ndarray:
         """np.int32[S]: greedy rows take the canonical argmax, others a per-request Gumbel draw.
         S = the rows' count; logits rows past S are padding."""
+        s, fields = self._sampling_fields(logits, rows)
+        if s == 0:
+            return np.zeros(0, np.int32)
+        return np.asarray(self._sample_padded(logits, s, fields))[:s].astype(np.int32)
+
+    def sample_on_device(self, logits, rows: SamplingRows):
+        """`sample`'s tokens left on the device: int32[row_bucket(S)], rows past S zero (S >= 1).
+        The overlap schedule feeds them to the next step without waiting (docs/engine.md)."""
+        s, fields = self._sampling_fields(logits, rows)
+        if s == 0:
+            raise ValueError("sample_on_device: no rows")
+        return self._zero_padding(self._sample_padded(logits, s, fields), np.int32(s))
+
+    def _sampling_fields(self, logits, rows: SamplingRows) -> tuple[int, dict]:
         fields = {name: np.asarray(getattr(rows, name)) for name in
                   ("temperature", "top_k", "top_p", "min_p", "seed", "position")}
         s = self._check_logits(logits, len(fields["temperature"]))
         for name, value in fields.items():
             if value.shape != (s,):
                 raise ValueError(f"SamplingRows.{name} has shape {value.shape}, expected ({s},)")
-        temperature = fields["temperature"].astype(np.float32)
+        temperature = fields["temperature"] = fields["temperature"].astype(np.float32)
         bad = np.flatnonzero(~np.isfinite(temperature) | (temperature < 0))
         if bad.size:
             raise ValueError(f"SamplingRows.temperature[{bad[0]}]={temperature[bad[0]]} must be a "
                              "finite number >= 0")
-        if s == 0:
-            return np.zeros(0, np.int32)
+        return s, fields
+
+    def _sample_padded(self, logits, s: int, fields: dict):
+        """The draw over the padded bucket (a device array; rows past S are padding)."""
+        temperature = fields["temperature"]
         bucket = row_bucket(s)
         padded = self._pad_rows(logits, bucket)
         if not np.any(temperature > 0):
-            return np.asarray(self._argmax(padded))[:s].astype(np.int32)
+            return self._argmax(padded)
         top_k = fields["top_k"].astype(np.int32)
         top_p = fields["top_p"].astype(np.float32)
         args = (
@@ -135,8 +155,7 @@ class Sampler:
         sampled = temperature > 0  # filters on greedy rows do not matter; skip their sort
         use_top_k = bool(np.any(sampled & (top_k > 0) & (top_k < self.vocab_size)))
         use_top_p = bool(np.any(sampled & (top_p < 1.0)))
-        out = self._gumbel(padded, *args, use_top_k=use_top_k, use_top_p=use_top_p)
-        return np.asarray(out)[:s].astype(np.int32)
+        return self._gumbel(padded, *args, use_top_k=use_top_k, use_top_p=use_top_p)
 
     def token_logprobs(self, logits, token_ids) -> np.ndarray:
         """np.float32[S]: THE logprob function (launch's --logprob-order), prompt and output alike.
@@ -145,16 +164,24 @@ class Sampler:
         s = self._check_logits(logits, len(ids) if ids.ndim == 1 else None)
         if ids.shape != (s,):
             raise ValueError(f"token_ids has shape {ids.shape}, expected ({s},)")
+        if s == 0:
+            return np.zeros(0, np.float32)
+        return np.asarray(self.token_logprobs_on_device(logits, ids))[:s]
+
+    def token_logprobs_on_device(self, logits, ids):
+        """`token_logprobs` over the padded bucket, left on the device. ids: host ids int32[S]
+        (checked, then zero-padded to row_bucket(S)) or `sample_on_device`'s tokens (already
+        padded with zeros), so both give the jitted program the same input."""
+        if isinstance(ids, np.ndarray):
+            self._check_ids(ids)
+            ids = self._pad_host(ids.astype(np.int32), row_bucket(len(ids)), np.int32, 0)
+        return self._token_logprobs(self._pad_rows(logits, len(ids)), ids)
+
+    def _check_ids(self, ids: np.ndarray) -> None:
         bad = np.flatnonzero((ids < 0) | (ids >= self.vocab_size))
         if bad.size:
             raise ValueError(f"token_ids[{bad[0]}]={int(ids[bad[0]])} is outside the output "
                              f"vocabulary [0, {self.vocab_size})")
-        if s == 0:
-            return np.zeros(0, np.float32)
-        bucket = row_bucket(s)
-        out = self._token_logprobs(self._pad_rows(logits, bucket),
-                                   self._pad_host(ids.astype(np.int32), bucket, np.int32, 0))
-        return np.asarray(out)[:s]
 
     def top_logprobs(self, logits, k: int, rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(np.float32[S, k], np.int32[S, k]): each row's k largest logprobs, lowest id on ties.
@@ -164,8 +191,12 @@ class Sampler:
             raise ValueError(f"top_logprobs_num={k!r} must be an integer in [0, {self.vocab_size}]")
         if s == 0 or k == 0:
             return np.zeros((s, k), np.float32), np.zeros((s, k), np.int32)
-        values, ids = self._top_logprobs(self._pad_rows(logits, row_bucket(s)), int(k))
+        values, ids = self.top_logprobs_on_device(logits, k, s)
         return np.asarray(values)[:s], np.asarray(ids)[:s].astype(np.int32)
+
+    def top_logprobs_on_device(self, logits, k: int, rows: int):
+        """`top_logprobs` over the padded bucket of `rows` rows (k >= 1), left on the device."""
+        return self._top_logprobs(self._pad_rows(logits, row_bucket(rows)), int(k))
 
     def describe(self) -> dict[str, str]:
         return {"logprob_order": self.logprob_order, "block_width": str(self.block_width),

@@ -1,0 +1,145 @@
+"""Part `server`: --server-clients concurrent streaming `/generate` clients, one request each (the
+engine part's workload), against a real server process on 127.0.0.1 serving the random-weight
+model: throughput, TTFT and inter-token latency percentiles as the clients see them. The report
+sets its throughput against the in-process Engine row of the same numerics.
+
+The server process is `python -m jengine.bench.server ...`: the engine part's Engine (random
+weights cannot come from a model directory, so not `jengine serve` itself) behind the very app and
+uvicorn server `jengine serve` runs (jengine/server/app.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from jengine.bench.common import _checkpoint
+
+STARTUP_S = 420  # model build and warm-up of the server process, inside the default part timeout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(args) -> None:
+    """The server process: the engine part's launch and warm-up, then uvicorn until killed."""
+    import uvicorn
+
+    from jengine.bench.common import random_runner
+    from jengine.bench.e2e import _e2e_launch, _make_engine, _warm_step_programs
+    from jengine.engine.sampler import Sampler
+    from jengine.server.app import create_app
+
+    runner, plan, loaded = random_runner(args.shape, args.numerics, _e2e_launch(args))
+    sampler = Sampler(plan.sampler, loaded.config.vocab_size)
+    _warm_step_programs(runner, sampler, args)
+    engine = _make_engine(runner, sampler, plan, loaded)
+    uvicorn.run(create_app(engine), host="127.0.0.1", port=args.port, log_level="warning")
+
+
+async def _client(http, url: str, ids: list[int], sampling: dict) -> tuple[float, list, int]:
+    """One streamed request: (submit time, [(arrival, tokens so far)], tokens at the end)."""
+    events, t0 = [], time.perf_counter()
+    body = {"input_ids": ids, "sampling_params": sampling, "stream": True}
+    async with http.stream("POST", url + "/generate", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            out = json.loads(line[len("data: "):])
+            events.append((time.perf_counter(), len(out["output_ids"])))
+    return t0, events, events[-1][1] if events else 0
+
+
+async def _clients(url: str, prompts, sampling: dict) -> tuple[float, list]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(prompts) + 8)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as http:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(_client(http, url, ids, sampling) for ids in prompts))
+        return time.perf_counter() - t0, results
+
+
+def _wait_healthy(url: str, proc, deadline: float) -> None:
+    import httpx
+
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server process exited with rc={proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError("the server did not answer /health in time")
+
+
+def part_server(args) -> dict:
+    import numpy as np
+
+    from jengine.bench.e2e import latency_stats
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "jengine.bench.server", "--port", str(port),
+            "--numerics", args.numerics, "--shape", args.shape,
+            "--e2e-requests", str(args.server_clients), "--e2e-input", str(args.e2e_input),
+            "--e2e-output", str(args.e2e_output)]
+    out = {"numerics": args.numerics, "shape": args.shape, "clients": args.server_clients,
+           "input_tokens": args.e2e_input, "output_tokens": args.e2e_output}
+    t0 = time.time()
+    proc = subprocess.Popen(argv, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        _wait_healthy(url, proc, time.time() + STARTUP_S)
+        out["startup_s"] = time.time() - t0
+        _checkpoint(args, out)
+        rng = np.random.default_rng(0)
+        sampling = {"max_new_tokens": args.e2e_output, "temperature": 0.0, "ignore_eos": True}
+        warm = rng.integers(0, 32000, (1, args.e2e_input)).tolist()
+        asyncio.run(_clients(url, warm, {**sampling, "max_new_tokens": 4}))
+        import httpx
+
+        httpx.post(url + "/flush_cache", timeout=60)  # the timed run starts from an empty cache
+        prompts = rng.integers(0, 32000, (args.server_clients, args.e2e_input)).tolist()
+        wall, results = asyncio.run(_clients(url, prompts, sampling))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    produced = sum(n for _, _, n in results)
+    out.update(wall_s=wall, output_tokens_total=produced, output_tok_s=produced / wall,
+               req_s=len(results) / wall,
+               **latency_stats([t for t, _, _ in results], [e for _, e, _ in results]))
+    print(f"[{args.numerics}] server {args.server_clients} clients: {wall:.2f} s, "
+          f"{out['output_tok_s']:.0f} output tok/s", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jengine.bench.server",
+                                description="serve the bench's random-weight model")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--numerics", default="auto")
+    p.add_argument("--shape", default="llama3-8b")
+    p.add_argument("--e2e-requests", type=int, default=256)
+    p.add_argument("--e2e-input", type=int, default=1024)
+    p.add_argument("--e2e-output", type=int, default=256)
+    _serve(p.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
