@@ -92,21 +92,39 @@ class SparseMoE(nnx.Module):
             raise ValueError("tensor parallelism of a MoE block is not implemented (MoE TP = 1; "
                              "expert parallelism is issue #18's later part)")
         ids, weights = self.route(kern, x, dtype=dtype)
+        return self.combine(kern, x, ids, weights, dtype=dtype), ids
+
+    def combine(self, kern, x, ids, weights, *, dtype, identity=None):
+        """The experts' output [T, H] in `dtype` for the routing (ids int32[T, k], weights [T, k]
+        in `dtype`): each slot's expert with its weight inside the activation, folded in slot order.
+        identity: bool [T, k] or None -- slots routed to an identity (zero) expert (LongCat-Flash):
+        their term is x * weight rounded to `dtype` (an identity expert's weighted activation), their
+        ids are placeholders and their weights reach no expert. Not under --ep-size."""
+        if identity is not None:
+            if self.ep is not None:
+                raise ValueError("identity (zero) experts under expert parallelism are not "
+                                 "implemented (the residual must enter exactly one rank's partial)")
+            expert_weights = jnp.where(identity, jnp.zeros((), weights.dtype), weights)
+        else:
+            expert_weights = weights
         slots = ids                                               # rows of per_expert to take
         if self.physical_to_logical is not None:  # EPLB: a replica of each logical expert
             slots = eplb.dispatch(ids, self.physical_to_logical[...])
         n_local = self.experts.gate_proj.shape[0]                 # this rank's (physical) experts
         first = 0 if self.ep is None else self.ep.first_expert(n_local)
-        row_weights = expert_row_weights(slots - first, weights, n_local)     # [n_local, T]
+        row_weights = expert_row_weights(slots - first, expert_weights, n_local)  # [n_local, T]
         per_expert = self.experts(kern, x, row_weights, dtype=dtype)          # [n_local, T, H]
         if self.ep is not None and kern.combine_order == "rank":
-            return self.ep.rank_combine(per_expert, slots).astype(dtype), ids
+            return self.ep.rank_combine(per_expert, slots).astype(dtype)
         if self.ep is None:
             rows = jnp.arange(x.shape[0])[:, None]
             selected = per_expert[slots, rows]                  # [T, k, H]: slot s = expert ids[:, s]
         else:  # the same [T, k, H], moved from the experts' owners (bytes only)
             selected = self.ep.slot_outputs(per_expert, slots)
-        return slot_order_sum(selected).astype(dtype), ids
+        if identity is not None:
+            residual = (x[:, None, :] * weights[:, :, None]).astype(dtype)  # one product, rounded
+            selected = jnp.where(identity[:, :, None], residual, selected)
+        return slot_order_sum(selected).astype(dtype)
 
     def route(self, kern, x, *, dtype):
         """(expert ids int32[T, k], routing weights [T, k] in `dtype`) for the rows of x."""
