@@ -28,6 +28,9 @@
 #                  (ids and value bits; random, tied, cutoff-tied, near-tied; alone vs packed)
 #   router_topk_mid / router_topk_big  the same over E 64, 160 / E 256 at k 6, 8, 12, 16, 33, 50
 #                  (router_topk_full, every E and k at once, is longer than a step may run)
+#   router_grouped scripts/gpu_router_grouped.py: the (moe, router_grouped_topk) torch leaf vs HF's
+#                  live DeepseekV3TopkRouter on CUDA (ids in slot order, weight bits; random, tied,
+#                  group-tied, near-tied; E 16/64/256, groups 1/4/8, norm on/off)
 #   align_<Arch>   scripts/gpu_align.sh for one family, e.g. align_LlamaForCausalLM
 #   accept_<case>  scripts/gpu_acceptance.py for one case (llama, llama31, qwen3, qwen2): trainer
 #                  alignment at production widths, four logprob forms, stock-torch control
@@ -96,6 +99,7 @@ for s in "$@"; do
     router_topk_mid) step router_topk_mid 300 python3 scripts/gpu_router_topk.py --experts 64 160 --ks 6 12 16 33 50 --out "$out/router_topk_mid" ;;
     router_topk_big) step router_topk_big 300 python3 scripts/gpu_router_topk.py --experts 256 --ks 6 8 12 16 33 50 --out "$out/router_topk_big" ;;
     router_topk_full) step router_topk_full 590 python3 scripts/gpu_router_topk.py --out "$out/router_topk" ;;
+    router_grouped) step router_grouped 300 env JAX_PLATFORMS=cpu python3 scripts/gpu_router_grouped.py --out "$out/router_grouped" ;;
     align_*) step "$s" 150 bash scripts/gpu_align.sh "$out/$s" "${s#align_}" ;;
     accept_qwen3moe) step "$s" 300 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases qwen3moe ;;
     accept_*) step "$s" 420 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases "${s#accept_}" ;;
