@@ -16,14 +16,10 @@ the dense-causal attention leaf's twin with transformers' ``AttentionInterface``
 ``ATTENTION_NAME``, selects it on the model, and replaces the rotary ``inv_freq`` with the
 engine's own (jengine.models.layers.rope: HF's formula as torch evaluates it, with XLA's pow; HF
 computed it at load time with torch's pow), as a float32 buffer (``model.to(torch.bfloat16)``
-rounds HF's to bf16). MoE routers are replaced at the module level too: the forward of every router
-module in ``TORCH_TOPK_ROUTERS`` (transformers' ``Qwen3MoeTopKRouter``: fp32 softmax, ``torch.topk``
-sorted, optional ``/ sum``) runs its gate GEMM as before (``F.linear``, routed to the GEMM twin)
-and then the twin of the ("moe", "router_topk") leaf with PyTorch CUDA's tie order, the leaf
-``--router-topk torch`` plans in the engine; nothing else's ``topk`` or ``softmax`` is touched.
-The forward of every experts module in ``SLOT_ORDER_EXPERTS`` (transformers' ``Qwen3MoeExperts``)
-is replaced by the engine's expert path in routed torch ops (``_experts_forward``), whichever
-``experts_implementation`` the model was loaded with.
+rounds HF's to bf16). MoE routers and experts are replaced at the module level too
+(interop/trainer_moe.py): each router's forward runs its gate GEMM as before and then the twin of
+the router leaf ``--router-topk torch`` plans in the engine, and each experts module's forward the
+engine's expert path and slot-order combine in routed torch ops.
 Leaving the context restores the model and the dispatcher.
 
 Unsupported call forms (e.g. ``addmm`` with beta != 1, a mean over another axis) run torch's own
@@ -41,7 +37,6 @@ KV cache), bf16 or f32 models.
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import threading
 import warnings
@@ -49,7 +44,8 @@ from typing import Any
 
 import torch
 
-from interop.twin_autograd import twin_attention, twin_router_topk
+from interop import trainer_moe
+from interop.twin_autograd import twin_attention
 from interop.twins import TwinError, TwinTable, plan_twin_table
 
 logger = logging.getLogger(__name__)
@@ -60,14 +56,7 @@ _TORCH_TO_JAX_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32", tor
 _LOCK = threading.Lock()
 _ACTIVE: "TrainerMode | None" = None
 
-# HF router modules (by class name) whose forward is gate GEMM -> fp32 softmax -> torch.topk(sorted)
-# -> optional division by the selected sum: trainer mode runs the router_topk leaf's twin in them.
-TORCH_TOPK_ROUTERS = ("Qwen3MoeTopKRouter",)
-# HF experts modules (by class name) holding fused SwiGLU experts (gate_up_proj [E, 2I, H], down_proj
-# [E, H, I]) called as experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]): trainer mode
-# replaces their forward with the engine's expert path and slot-order combine (``_experts_forward``).
-SLOT_ORDER_EXPERTS = ("Qwen3MoeExperts",)
-_UNSET = object()  # a restore entry whose attribute the model did not have (deleted on restore)
+_UNSET = trainer_moe.UNSET  # a restore entry whose attribute the model did not have (deleted)
 
 
 def _jax_dtype(dtype: torch.dtype):
@@ -232,71 +221,14 @@ class TrainerMode:
             rotary.attention_scaling = scaling
 
     def route_moe_routers(self, model) -> int:
-        """Route every ``TORCH_TOPK_ROUTERS`` module of ``model`` to the router_topk twin (an
-        instance ``forward``, removed on leaving); returns how many. ``enable(model)`` calls it."""
-        routed = 0
-        for module in model.modules():
-            if type(module).__name__ in TORCH_TOPK_ROUTERS and "forward" not in vars(module):
-                module.forward = functools.partial(self._router_forward, module)
-                self._model_restore.append((module, "forward", _UNSET))
-                routed += 1
-        return routed
-
-    def _router_forward(self, router, hidden_states):
-        """Qwen3MoeTopKRouter.forward (transformers 5.24) with the softmax and topk replaced:
-        -> (router_logits, routing weights in the logits' dtype, expert ids int64)."""
-        hidden_states = hidden_states.reshape(-1, router.hidden_dim)
-        router_logits = torch.nn.functional.linear(hidden_states, router.weight)
-        ids, weights = twin_router_topk(self.table.router_topk, router_logits, k=router.top_k,
-                                        norm_topk_prob=bool(router.norm_topk_prob))
-        self.routed["router_topk"] += 1
-        return router_logits, weights.to(router_logits.dtype), ids
+        """Route every MoE router module of ``model`` to its leaf's twin (interop/trainer_moe.py);
+        returns how many. ``enable(model)`` calls it."""
+        return trainer_moe.route_routers(self, model)
 
     def route_moe_experts(self, model) -> int:
-        """Replace the forward of every ``SLOT_ORDER_EXPERTS`` module of ``model`` (an instance
-        ``forward``, removed on leaving) with ``_experts_forward``; returns how many.
-
-        The instance forward shadows the class's, so it runs whatever ``experts_implementation``
-        the model was loaded with (transformers 5.24 picks ``grouped_mm`` by default, on the CPU
-        too with torch >= 2.9, whose ``aten::_grouped_mm`` trainer mode does not route)."""
-        routed = 0
-        for module in model.modules():
-            if type(module).__name__ in SLOT_ORDER_EXPERTS and "forward" not in vars(module):
-                if getattr(module, "_is_expert_parallel", False):
-                    raise TwinError(f"trainer mode: {type(module).__name__} is expert-parallel "
-                                    "(transformers' EP); run the trainer's experts unsharded")
-                module.forward = functools.partial(self._experts_forward, module)
-                self._model_restore.append((module, "forward", _UNSET))
-                routed += 1
-        return routed
-
-    def _experts_forward(self, experts, hidden_states, top_k_index, top_k_weights):
-        """The engine's expert path (jengine/models/layers/moe.py) in torch ops trainer mode routes.
-
-        For each expert e and the rows routed to it: gate = x W_gate^T and up = x W_up^T as two
-        GEMMs (F.linear -> aten mm -> the GEMM twin; the engine's gemm_group keeps each member's
-        own gemm bits, and the fixed-order GEMM's rows do not depend on how many rows share the
-        call), silu(gate) * up (F.silu -> the SiLU twin), times the slot's routing weight in the
-        model dtype (inside the activation, as the engine applies it), y = h W_down^T. A token's
-        k outputs are added in f32 in slot order 0..k-1 and rounded once (``slot_order_sum``, --moe-combine-order slot). Plain torch
-        ops throughout, so autograd differentiates it with its own formulas."""
-        import torch.nn.functional as F
-
-        tokens, k = top_k_index.shape
-        inter = experts.intermediate_dim
-        slots = hidden_states.new_zeros(tokens, k, hidden_states.shape[-1])
-        for e in torch.unique(top_k_index).tolist():
-            token_idx, slot = torch.where(top_k_index == e)
-            x = hidden_states[token_idx]
-            gate_up, down = experts.gate_up_proj[e], experts.down_proj[e]
-            h = F.silu(F.linear(x, gate_up[:inter])) * F.linear(x, gate_up[inter:])
-            y = F.linear(h * top_k_weights[token_idx, slot, None].to(h.dtype), down)
-            slots = slots.index_put((token_idx, slot), y)
-        self.routed["moe_experts"] += 1
-        total = slots[:, 0].float()
-        for s in range(1, k):
-            total = total + slots[:, s].float()
-        return total.to(hidden_states.dtype)
+        """Replace the forward of every MoE experts module of ``model`` with the engine's expert
+        path and slot-order combine (interop/trainer_moe.py); returns how many."""
+        return trainer_moe.route_experts(self, model)
 
     def summary(self) -> str:
         routed = ", ".join(f"{k}={v}" for k, v in sorted(self.routed.items())) or "none"

@@ -129,3 +129,39 @@ def twin_router_topk(twin: Callable, logits, *, k: int, norm_topk_prob: bool):
     -> (expert ids int64[T, k], routing weights f32[T, k]), with a backward to the logits through
     the softmax and the normalisation (the selection itself has no gradient)."""
     return _TwinRouterTopK.apply(logits, twin, k, norm_topk_prob)
+
+
+class _TwinRouterGroupedTopK(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, bias, twin, static):
+        ids, weights = twin(logits.float().contiguous(), bias.float().contiguous(), **static)
+        ids = ids.long()
+        ctx.save_for_backward(logits, ids)
+        ctx.static = static
+        ctx.mark_non_differentiable(ids)
+        return ids, weights
+
+    @staticmethod
+    def backward(ctx, _grad_ids, grad_weights):
+        logits, ids = ctx.saved_tensors
+        static = ctx.static
+        x = logits.float()
+        scores = torch.sigmoid(x) if static["score"] == "sigmoid" else torch.softmax(x, dim=-1)
+        selected = scores.gather(-1, ids)
+        g = grad_weights.float() * static["routed_scaling_factor"]
+        if static["norm_topk_prob"]:  # w = s / sum(s): dL/ds_j = (g_j - sum_i g_i w_i) / sum(s)
+            total = selected.sum(-1, keepdim=True)
+            g = (g - (g * selected / total).sum(-1, keepdim=True)) / total
+        grad_s = torch.zeros_like(scores).scatter_add_(-1, ids, g)
+        if static["score"] == "sigmoid":
+            grad_logits = grad_s * scores * (1 - scores)
+        else:
+            grad_logits = scores * (grad_s - (grad_s * scores).sum(-1, keepdim=True))
+        return grad_logits.to(logits.dtype), None, None, None
+
+
+def twin_router_grouped_topk(twin: Callable, logits, bias, **static):
+    """``twin(logits.float(), bias.float(), **static)`` (the ("moe", "router_grouped_topk") leaf's
+    twin) -> (expert ids int64[T, k], routing weights f32[T, k]), with a backward to the logits
+    through the scores, the normalisation and the scale (the bias only chooses: no gradient)."""
+    return _TwinRouterGroupedTopK.apply(logits, bias, twin, static)

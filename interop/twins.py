@@ -41,6 +41,7 @@ import pallas_kernels.attention  # noqa: F401
 import pallas_kernels.gemm  # noqa: F401
 import pallas_kernels.logprobs  # noqa: F401
 import pallas_kernels.moe_router  # noqa: F401
+import pallas_kernels.moe_router_grouped  # noqa: F401
 import pallas_kernels.rmsnorm  # noqa: F401
 
 REQUIRED_FEATURES = frozenset({"batch_invariant"})
@@ -53,11 +54,13 @@ LEAF_OPERATORS = {
     "attention": ("attention", "dense_causal"),
     "block_sumexp": ("sampling", "block_sumexp"),
     "router_topk": ("moe", "router_topk"),
+    "router_grouped_topk": ("moe", "router_grouped_topk"),
 }
 
 # Features an operator requires beyond batch invariance: the trainer's router is torch's topk, so its
 # twin is the leaf with PyTorch CUDA's tie order (what --router-topk torch plans in the engine).
-LEAF_FEATURES = {"router_topk": pallas_kernels.moe_router.ROUTER_TOPK_FEATURES["torch"]}
+LEAF_FEATURES = {"router_topk": pallas_kernels.moe_router.ROUTER_TOPK_FEATURES["torch"],
+                 "router_grouped_topk": pallas_kernels.moe_router.ROUTER_TOPK_FEATURES["torch"]}
 
 # Operators whose leaves take f32 whatever the model's format.
 F32_FAMILIES = ("sampling", "moe")
@@ -165,6 +168,9 @@ class TwinTable:
     attention: Callable[..., Any]  # (q, k, v [B,S,H,D], *, scale) -> [B,S,Hq,D]
     block_sumexp: Callable[..., Any]  # (shifted f32[R,V], *, block_size) -> f32[R, V // block]
     router_topk: Callable[..., Any]  # (logits f32[T,E], *, k, norm_topk_prob) -> (ids, weights)
+    # (logits f32[T,E], bias f32[E], *, k, n_group, topk_group, norm_topk_prob,
+    #  routed_scaling_factor, score) -> (ids, weights)
+    router_grouped_topk: Callable[..., Any]
     elementwise: dict[str, Callable[..., Any]] = field(default_factory=dict)
     provenance: dict[str, str] = field(default_factory=dict)  # op -> where its twin comes from
 

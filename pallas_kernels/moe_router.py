@@ -140,16 +140,37 @@ def torch_cuda_topk(probs: jax.Array, k: int):
     if not 1 <= k <= min(n, MAX_TORCH_K):
         raise ValueError(f"router_topk torch: k={k} must be in [1, {min(n, MAX_TORCH_K)}] (the "
                          f"expert count is {n}; PyTorch's in-place sort serves k <= {MAX_TORCH_K})")
-    # The selection: largest radix key first, the lowest index among equal keys (lax.top_k's rule).
-    keys, ids = jax.lax.top_k(_radix_order_key(probs), k)
-    ids = ids.astype(jnp.int32)
-    values = jnp.take_along_axis(probs, ids, axis=-1)
+    keys, ids, values = _radix_select(probs, k)
     if k > BITONIC_SLOTS:
         return values, ids  # stable sorts of the index-ordered selection: ties stay index-ordered
-    # The gather's write order: above the k-th key by index, then equal to it by index.
-    at_cutoff = (keys == keys[:, k - 1:k]).astype(jnp.int32)
+    return _bitonic_sort_descending(*_write_order(keys, ids, values))
+
+
+def torch_cuda_topk_unsorted(values: jax.Array, k: int):
+    """torch.topk(values, k, sorted=False) as PyTorch CUDA returns it: (values f32[T, k], ids
+    int32[T, k]) in the radix select's write order, with no sort after it -- every value above the
+    k-th by ascending index, then the values equal to the k-th by ascending index (measured on the
+    H200, reference notes 5.1: rows of 8 to 768 with -inf masks and ties)."""
+    n = values.shape[-1]
+    if not 1 <= k <= n:
+        raise ValueError(f"topk unsorted: k={k} must be in [1, {n}] (the row has {n} values)")
+    keys, ids, selected = _radix_select(values, k)
+    return _write_order(keys, ids, selected)
+
+
+def _radix_select(values: jax.Array, k: int):
+    """The selection: largest radix key first, the lowest index among equal keys (lax.top_k's
+    rule) -> (keys, ids int32, values) of the k selected, largest key first."""
+    keys, ids = jax.lax.top_k(_radix_order_key(values), k)
+    ids = ids.astype(jnp.int32)
+    return keys, ids, jnp.take_along_axis(values, ids, axis=-1)
+
+
+def _write_order(keys, ids, values):
+    """The gather's write order: above the k-th key by index, then equal to it by index."""
+    at_cutoff = (keys == keys[:, -1:]).astype(jnp.int32)
     _, ids, values = jax.lax.sort((at_cutoff, ids, values), num_keys=2)
-    return _bitonic_sort_descending(values, ids)
+    return values, ids
 
 
 @register("moe", "router_topk", "torch", features={"batch_invariant", "torch_tie_order"},

@@ -93,19 +93,34 @@ class SparseMoE(nnx.Module):
             raise ValueError("tensor parallelism of a MoE block is not implemented (MoE TP = 1; "
                              "expert parallelism is issue #18's later part)")
         ids, weights = self.route(kern, x, dtype=dtype)
+        return self.combine(kern, x, ids, weights, dtype=dtype), ids
+
+    def combine(self, kern, x, ids, weights, *, dtype, identity=None):
+        """The experts' output [T, H] in `dtype` for the routing (ids int32[T, k], weights [T, k]
+        in `dtype`): each slot's expert with its weight inside the activation, folded in slot order.
+        identity: bool [T, k] or None -- slots routed to an identity (zero) expert (LongCat-Flash):
+        their term is x * weight rounded to `dtype` (an identity expert's weighted activation), their
+        ids are placeholders and they reach no expert. Not under --ep-size."""
+        if identity is not None and self.ep is not None:
+            raise ValueError("identity (zero) experts under expert parallelism are not "
+                             "implemented (the residual must enter exactly one rank's partial)")
         slots = ids                                               # the experts computing each slot
         if self.physical_to_logical is not None:  # EPLB: a replica of each logical expert
             slots = eplb.dispatch(ids, self.physical_to_logical[...])
         n_local = self.experts.gate_proj.shape[0]                 # this rank's (physical) experts
         local = slots if self.ep is None else slots - self.ep.first_expert(n_local)
+        if identity is not None:  # no expert computes an identity slot: out of this rank's range
+            local = jnp.where(identity, n_local, local)
         mine = self.experts(kern, x, local, weights, dtype=dtype,
-                            foreign=self.ep is not None)          # [T, k, H], this rank's slots
-        if self.ep is None:
-            return slot_order_sum(mine).astype(dtype), ids
-        if kern.combine_order == "rank":
-            return self.ep.rank_combine(mine, slots, n_local).astype(dtype), ids
-        # each slot moved from the rank that owns its expert (bytes only), then the same fold
-        return slot_order_sum(self.ep.slot_outputs(mine, slots, n_local)).astype(dtype), ids
+                            foreign=self.ep is not None or identity is not None)  # [T, k, H]
+        if self.ep is not None and kern.combine_order == "rank":
+            return self.ep.rank_combine(mine, slots, n_local).astype(dtype)
+        if self.ep is not None:  # each slot moved from its expert's owner (bytes only)
+            mine = self.ep.slot_outputs(mine, slots, n_local)
+        if identity is not None:
+            residual = (x[:, None, :] * weights[:, :, None]).astype(dtype)  # one product, rounded
+            mine = jnp.where(identity[:, :, None], residual, mine)
+        return slot_order_sum(mine).astype(dtype)
 
     def route(self, kern, x, *, dtype):
         """(expert ids int32[T, k], routing weights [T, k] in `dtype`) for the rows of x."""
