@@ -7,7 +7,7 @@ modules import and register nothing.
 """
 
 from pallas_kernels import registry  # noqa: F401
-from pallas_kernels import (activation, attention, gemm, logprobs, moe_router,  # noqa: F401
-                            rmsnorm, sampling)
+from pallas_kernels import (activation, attention, gemm, logprobs, mla_attention,  # noqa: F401
+                            moe_router, rmsnorm, sampling)
 from pallas_kernels import (triton_activation, triton_attention, triton_gemm,  # noqa: F401
                             triton_norm, triton_sampling)

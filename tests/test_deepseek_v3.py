@@ -1,0 +1,117 @@
+"""DeepseekV3ForCausalLM (issue #20, MLA part) against HF transformers' eager forward, its config
+rules, its latent KV cache, and prefilled-vs-decoded bit equality of the absorbed MLA leaf.
+
+One tiny random checkpoint (interop.testing: hidden 64, 4 heads, q_lora 48, kv_lora 32, rope 16
+interleaved with YaRN (factor 32, mscale = mscale_all_dim = 1), nope 16, v 24, 2 dense layers,
+vocab 32768).
+
+Tolerances against HF eager: fp32 1e-4 (the whole-model bound of tests/test_models_hf.py: reduction
+orders differ, and HF attends over expanded keys and values -- c W_UK, c W_UV -- where we absorb
+W_UK into the query and apply W_UV after the attention, the same function in another order). bf16:
+the absorbed form rounds q_latent and the attention's latent output to bf16 where HF rounds the
+expanded k/v and the attention output, on top of the dense body's per-op rounding drift; we bound
+the logits' difference by 0.125 absolute on logits of magnitude < 8 (4 bf16 ulps there) and require
+the top-1 token to agree where HF's margin exceeds 0.25.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from interop.testing import make_tiny_hf_model  # noqa: E402
+from jengine.config import LaunchConfig  # noqa: E402
+from jengine.engine.batch import StepBatch  # noqa: E402
+from jengine.engine.model_runner import ModelRunner  # noqa: E402
+from jengine.launch import plan_launch  # noqa: E402
+from jengine.models import load_model  # noqa: E402
+from jengine.models.config import ModelConfig  # noqa: E402
+from jengine.models.kv_cache import LatentPages  # noqa: E402
+from jengine.numerics import resolve_launch  # noqa: E402
+from tests.bits import float_bits  # noqa: E402
+from tests.test_models_hf import _greedy, _prefill_logits, hf_greedy  # noqa: E402
+
+ARCH = "DeepseekV3ForCausalLM"
+RUNNER_LAUNCH = dict(page_size=4, max_total_tokens=2048, max_prefill_tokens=64,
+                     max_running_requests=4)
+
+
+@pytest.fixture(scope="module")
+def ds_dir(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("deepseek-v3"), ARCH, seed=3)
+
+
+@pytest.fixture(scope="module")
+def loaded(ds_dir):
+    return load_model(str(ds_dir), progress=False)
+
+
+def _runner(ds_dir, loaded, **launch):
+    resolved = resolve_launch(LaunchConfig(model_path=str(ds_dir), **RUNNER_LAUNCH, **launch),
+                              hardware="cpu")
+    return ModelRunner(loaded.config, loaded.checkpoint,
+                       plan_launch(resolved, loaded.config).runner)
+
+
+def _hf(ds_dir, dtype):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(ds_dir), dtype=getattr(torch, dtype), attn_implementation="eager").eval()
+
+
+def _hf_and_ours(ds_dir, loaded, dtype, seed):
+    model, runner = _hf(ds_dir, dtype), _runner(ds_dir, loaded, dtype=dtype)
+    ids = np.random.default_rng(seed).integers(0, 32768, size=24)
+    with torch.no_grad():
+        ref = model(torch.tensor(ids)[None]).logits[0].float().numpy()
+    return model, runner, ids, _prefill_logits(runner, ids), ref
+
+
+def test_config_reads_the_mla_fields(loaded):
+    cfg = loaded.config
+    assert (cfg.architecture, cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim) == \
+        (ARCH, 32, 48, 16)
+    assert (cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.head_dim, cfg.rope_interleave) == \
+        (16, 24, 16, True)
+    assert cfg.num_experts == 0 and cfg.first_k_dense_replace == 2
+
+
+def _hf_dict(ds_dir, **changes):
+    import json
+
+    d = json.loads((ds_dir / "config.json").read_text())
+    d.update(changes)
+    return d
+
+
+def test_moe_layers_and_odd_rope_are_refused(ds_dir):
+    with pytest.raises(ValueError, match=r"layers 1\.\.1 are MoE layers.*first_k_dense_replace=1"):
+        ModelConfig.from_hf_dict(_hf_dict(ds_dir, first_k_dense_replace=1))
+    with pytest.raises(ValueError, match="qk_rope_head_dim=15 must be even"):
+        ModelConfig.from_hf_dict(_hf_dict(ds_dir, qk_rope_head_dim=15))
+    with pytest.raises(ValueError, match="kv_lora_rank=None must be a positive integer"):
+        ModelConfig.from_hf_dict(_hf_dict(ds_dir, kv_lora_rank=None))
+
+
+def test_kv_cache_is_one_latent_page(ds_dir, loaded):
+    runner = _runner(ds_dir, loaded, dtype="float32")
+    spec = runner.kv_pool.spec
+    assert spec.layout == LatentPages(width=32 + 16) and len(spec.layers) == 2
+    assert runner.kernels.describe()["mla_attention"] == "xla_native"
+
+
+def test_fp32_logits_and_greedy_match_hf(ds_dir, loaded):
+    model, runner, ids, ours, ref = _hf_and_ours(ds_dir, loaded, "float32", seed=1)
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
+    prompt = ids[:8]
+    assert _greedy(runner, prompt, 12) == hf_greedy(model, prompt, 12)
+
+
+def test_bf16_logits_close_to_hf(ds_dir, loaded):
+    _, _, _, ours, ref = _hf_and_ours(ds_dir, loaded, "bfloat16", seed=2)
+    assert np.abs(ref).max() < 8
+    assert np.abs(ours - ref).max() <= 0.125
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 0.25
+    assert clear.any()
+    assert (ours.argmax(-1) == ref.argmax(-1))[clear].all()
