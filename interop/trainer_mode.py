@@ -24,6 +24,8 @@ and then the twin of the ("moe", "router_topk") leaf with PyTorch CUDA's tie ord
 The forward of every experts module in ``SLOT_ORDER_EXPERTS`` (transformers' ``Qwen3MoeExperts``)
 is replaced by the engine's expert path in routed torch ops (``_experts_forward``), whichever
 ``experts_implementation`` the model was loaded with.
+MLA attention modules (``DeepseekV3Attention``) run the engine's absorbed computation instead of
+HF's expanded one (interop/trainer_mla.py).
 Leaving the context restores the model and the dispatcher.
 
 Unsupported call forms (e.g. ``addmm`` with beta != 1, a mean over another axis) run torch's own
@@ -49,6 +51,7 @@ from typing import Any
 
 import torch
 
+from interop.trainer_mla import route_mla_attention
 from interop.twin_autograd import twin_attention, twin_router_topk
 from interop.twins import TwinError, TwinTable, plan_twin_table
 
@@ -217,6 +220,7 @@ class TrainerMode:
     def _prepare_model(self, model) -> None:
         self.route_moe_routers(model)
         self.route_moe_experts(model)
+        route_mla_attention(self, model, self._model_restore, _UNSET)
         register_twin_attention(self.table)
         previous = model.config._attn_implementation
         _set_attn_implementation(model, ATTENTION_NAME)

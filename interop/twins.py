@@ -40,6 +40,7 @@ import pallas_kernels.activation  # noqa: F401
 import pallas_kernels.attention  # noqa: F401
 import pallas_kernels.gemm  # noqa: F401
 import pallas_kernels.logprobs  # noqa: F401
+import pallas_kernels.mla_attention  # noqa: F401
 import pallas_kernels.moe_router  # noqa: F401
 import pallas_kernels.rmsnorm  # noqa: F401
 
@@ -51,6 +52,7 @@ LEAF_OPERATORS = {
     "rmsnorm": ("norm", "rmsnorm"),
     "silu": ("activation", "silu"),
     "attention": ("attention", "dense_causal"),
+    "mla_attention": ("attention", "mla_dense_causal"),
     "block_sumexp": ("sampling", "block_sumexp"),
     "router_topk": ("moe", "router_topk"),
 }
@@ -165,6 +167,7 @@ class TwinTable:
     attention: Callable[..., Any]  # (q, k, v [B,S,H,D], *, scale) -> [B,S,Hq,D]
     block_sumexp: Callable[..., Any]  # (shifted f32[R,V], *, block_size) -> f32[R, V // block]
     router_topk: Callable[..., Any]  # (logits f32[T,E], *, k, norm_topk_prob) -> (ids, weights)
+    mla_attention: Callable[..., Any]  # (q [B,S,H,W], latent [B,S,W], *, v_width, scale)
     elementwise: dict[str, Callable[..., Any]] = field(default_factory=dict)
     provenance: dict[str, str] = field(default_factory=dict)  # op -> where its twin comes from
 

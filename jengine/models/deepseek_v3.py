@@ -56,8 +56,10 @@ def parse_config(d) -> dict:
                 head_dim=rope_dim)  # the rotary tables' width (HF: config.head_dim)
 
 
+# rl-bitwise: the invariance harness passes and HF's forward under trainer mode (absorbed MLA through
+# the twins, interop/trainer_mla.py) aligns bit for bit (tests/test_mla_align.py), on the CPU.
 EntryClass = ModelFamily(
     architecture=ARCHITECTURE, model_type="deepseek_v3",
-    profile=ModelProfile(ARCHITECTURE, frozenset(),
+    profile=ModelProfile(ARCHITECTURE, frozenset({"rl-bitwise"}),
                          "absorbed MLA (one latent KV page per position), YaRN; dense layers only"),
     parse_config=parse_config, checkpoint_name=hf_decoder_name, body="jengine.models.mla_decoder")
