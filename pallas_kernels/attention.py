@@ -145,12 +145,13 @@ def _paged(core):
 
 def _dense_causal(core):
     def dense_causal_attention(q, k, v, *, scale):
-        """q [B, S, Hq, D], k/v [B, S, Hkv, D] -> [B, S, Hq, D]; query i attends to 0..i."""
+        """q [B, S, Hq, D], k/v [B, S, Hkv, D] -> [B, S, Hq, D]; query i attends to 0..i.
+        (v may be narrower than q and k: HF's expanded MLA, v_head_dim < qk_head_dim.)"""
         b, s, hq, d = q.shape
         q_ctx = jnp.repeat(jnp.arange(b, dtype=jnp.int32), s)
         q_pos = jnp.tile(jnp.arange(s, dtype=jnp.int32), b)
         out = core(q.reshape(b * s, hq, d), k, v, q_ctx, q_pos, scale=scale)
-        return out.reshape(b, s, hq, d)
+        return out.reshape(b, s, hq, v.shape[-1])
 
     return dense_causal_attention
 

@@ -115,3 +115,22 @@ def test_bf16_logits_close_to_hf(ds_dir, loaded):
     clear = (top2[:, 1] - top2[:, 0]) > 0.25
     assert clear.any()
     assert (ours.argmax(-1) == ref.argmax(-1))[clear].all()
+
+
+def test_prefilled_and_decoded_tokens_have_the_same_bits(ds_dir, loaded):
+    """rl-bitwise (the fixed-order MLA leaf): a token's logits are the same bits whether its row
+    was in a 20-row prefill or decoded one row at a time over the latent pages (other pages than
+    the prefill's) that a 9-token prefill and the decode steps wrote."""
+    runner = _runner(ds_dir, loaded, numerics="rl-bitwise")
+    assert runner.kernels.describe()["mla_attention"] == "fixed_order"
+    ids = np.random.default_rng(5).integers(0, 32768, size=20)
+    prefilled = _prefill_logits(runner, ids)
+    table = np.asarray([list(range(101, 165))])
+    k = 9
+    runner.forward(StepBatch(input_ids=ids[:k], positions=np.arange(k), token_req=np.zeros(k),
+                             block_tables=table, hidden_rows=[k - 1]))
+    for pos in range(k, len(ids)):
+        hidden = runner.forward(StepBatch(input_ids=[ids[pos]], positions=[pos], token_req=[0],
+                                          block_tables=table, hidden_rows=[0]))
+        decoded = np.asarray(runner.compute_logits(hidden))[0]
+        assert (float_bits(decoded) == float_bits(prefilled[pos])).all(), pos

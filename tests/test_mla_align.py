@@ -97,18 +97,72 @@ def test_mla_forward_is_routed_restored_and_differentiable(model_dir):
 
 
 def _harness(model_dir, **cfg):
-    cfg = HarnessConfig(model=str(model_dir), numerics="rl-bitwise", prompts=DEFAULT_PROMPTS[:3],
-                        max_new_tokens=6, **cfg)
+    cfg = HarnessConfig(model=str(model_dir), numerics="rl-bitwise", prompts=DEFAULT_PROMPTS[:2],
+                        **cfg)
     lines = []
     results = InvarianceHarness(cfg).run(report=lines.append)
     print(lines[0])
     return results
 
 
-def test_rl_bitwise_invariance_harness_passes(model_dir):
-    """alone / packed / rerun / prefix hit / chunked at an odd size / retraction, T=0 and T=1."""
-    results = _harness(model_dir, chunk_sizes=(7,), retraction_intervals=(-3,))
-    assert {r.mode for r in results} == {"packed", "rerun", "prefix-hit", "chunk-7", "retract-3"}
+def _assert_passes(results, modes):
+    assert {r.mode for r in results} == modes
     assert all(r.compared_values > 0 for r in results)
     diverged = [str(d) for r in results for d in r.divergences]
     assert diverged == [], "\n".join(diverged)
+
+
+def test_rl_bitwise_invariance_harness_passes(model_dir):
+    """CI size: alone / packed / rerun / prefix hit / chunked at an odd size / retraction, T=0."""
+    results = _harness(model_dir, max_new_tokens=4, temperatures=(0.0,), chunk_sizes=(7,),
+                       retraction_intervals=(-3,))
+    _assert_passes(results, {"packed", "rerun", "prefix-hit", "chunk-7", "retract-3"})
+
+
+@pytest.mark.slow
+def test_rl_bitwise_invariance_harness_passes_every_mode():
+    """The harness's default modes (chunks 4, 7, 256; retraction +-3) at T=0 and T=1."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_hf_model(Path(tmp) / "ds", ARCH, seed=5)
+        results = _harness(model_dir, max_new_tokens=8)
+    _assert_passes(results, {"packed", "rerun", "prefix-hit", "chunk-4", "chunk-7", "chunk-256",
+                             "retract+3", "retract-3"})
+
+
+@pytest.fixture
+def lying_mla_leaf():
+    """An MLA leaf that DECLARES batch invariance but, like a kernel choosing its schedule by the
+    batch, runs other arithmetic on a step of more than 16 rows (a prefill) than on a small one (a
+    decode step): there it rounds the softmax probabilities to the model dtype before the value
+    sum, as HF's eager attention does. rl-bitwise plans it (VENDOR band)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.mla_attention import mla_paged_fixed_order
+    from pallas_kernels.registry import REGISTRY, Priority
+
+    @REGISTRY.register("attention", "mla_paged", "test_lying_leaf", formats={"bf16", "f32"},
+                       hardware={"any"}, priority=Priority.VENDOR, features={"batch_invariant"})
+    def lying_mla(q, latent_pages, block_tables, token_req, positions, *, v_width, scale):
+        if q.shape[0] <= 16:
+            return mla_paged_fixed_order(q, latent_pages, block_tables, token_req, positions,
+                                         v_width=v_width, scale=scale)
+        ctx = latent_pages[block_tables]
+        ctx = ctx.reshape(ctx.shape[0], -1, ctx.shape[-1])[token_req]  # [T, C, W]
+        s = jnp.einsum("thw,tcw->thc", q, ctx, preferred_element_type=jnp.float32) * scale
+        valid = (jnp.arange(ctx.shape[1])[None, :] <= positions[:, None])[:, None, :]
+        p = jax.nn.softmax(jnp.where(valid, s, -jnp.inf), axis=-1).astype(q.dtype)
+        return jnp.einsum("thc,tcv->thv", p, ctx[..., :v_width],
+                          preferred_element_type=jnp.float32).astype(q.dtype)
+
+    yield
+    REGISTRY.unregister("attention", "mla_paged", "test_lying_leaf")
+
+
+def test_negative_control_harness_catches_a_batch_variant_mla_leaf(model_dir, lying_mla_leaf):
+    results = _harness(model_dir, max_new_tokens=3, temperatures=(0.0,), chunk_sizes=(7,),
+                       retraction_intervals=())
+    assert any(r.divergences for r in results if r.mode in ("packed", "chunk-7"))
