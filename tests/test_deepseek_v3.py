@@ -93,11 +93,22 @@ def test_moe_layers_and_odd_rope_are_refused(ds_dir):
         ModelConfig.from_hf_dict(_hf_dict(ds_dir, kv_lora_rank=None))
 
 
-def test_kv_cache_is_one_latent_page(ds_dir, loaded):
-    runner = _runner(ds_dir, loaded, dtype="float32")
-    spec = runner.kv_pool.spec
-    assert spec.layout == LatentPages(width=32 + 16) and len(spec.layers) == 2
-    assert runner.kernels.describe()["mla_attention"] == "xla_native"
+def test_kv_cache_is_one_latent_page_and_server_info_says_so(ds_dir):
+    """One latent (kv_lora_rank + qk_rope_head_dim = 48 values) per token and layer, where HF's
+    expanded cache would hold heads x (qk_head_dim + v_head_dim) = 4 x (32 + 24) = 224."""
+    from jengine.engine.engine import Engine
+
+    with Engine(model_path=str(ds_dir), dtype="bfloat16", max_total_tokens=256,
+                max_prefill_tokens=32, max_running_requests=2, skip_warmup=True) as engine:
+        spec = engine.runner.kv_pool.spec
+        assert spec.layout == LatentPages(width=32 + 16) and len(spec.layers) == 2
+        assert engine.runner.kernels.describe()["mla_attention"] == "xla_native"
+        info = engine.server_info()
+        out = engine.generate(input_ids=[[11, 22, 33, 44]],
+                              sampling_params={"max_new_tokens": 3, "temperature": 0,
+                                               "ignore_eos": True})
+    assert (info["kv_values_per_token"], info["kv_bytes_per_token"]) == (2 * 48, 2 * 48 * 2)
+    assert len(out[0]["output_ids"]) == 3
 
 
 def test_fp32_logits_and_greedy_match_hf(ds_dir, loaded):
