@@ -1,5 +1,5 @@
-"""Trainer mode: HF transformers' own forward (Llama, Qwen2, Qwen3, Qwen3-MoE), in torch, computing
-the engine's bits.
+"""Trainer mode: HF transformers' own forward (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3), in
+torch, computing the engine's bits.
 
 ``enable()`` overrides, with ``torch.library`` at the device's dispatch key (the way
 ``batch_invariant_ops`` does), the aten operations whose torch implementation cannot reproduce the

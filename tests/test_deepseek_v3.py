@@ -89,7 +89,7 @@ def test_moe_layers_and_odd_rope_are_refused(ds_dir):
         ModelConfig.from_hf_dict(_hf_dict(ds_dir, first_k_dense_replace=1))
     with pytest.raises(ValueError, match="qk_rope_head_dim=15 must be even"):
         ModelConfig.from_hf_dict(_hf_dict(ds_dir, qk_rope_head_dim=15))
-    with pytest.raises(ValueError, match="kv_lora_rank=None must be a positive integer"):
+    with pytest.raises(ValueError, match="kv_lora_rank=None must be an integer >= 1"):
         ModelConfig.from_hf_dict(_hf_dict(ds_dir, kv_lora_rank=None))
 
 

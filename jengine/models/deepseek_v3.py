@@ -9,16 +9,13 @@ is refused naming the layers it would have to route.
 
 from __future__ import annotations
 
-from jengine.models.family import ModelFamily, ModelProfile, hf_decoder_name
+from jengine.models.family import ModelFamily, ModelProfile, hf_decoder_name, int_field
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 
 
 def _positive_int(d, name: str, default=None) -> int:
-    value = d.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer for {ARCHITECTURE}")
-    return value
+    return int_field(d, name, default, minimum=1, architecture=ARCHITECTURE)
 
 
 def parse_config(d) -> dict:
@@ -32,9 +29,8 @@ def parse_config(d) -> dict:
     if rope_dim % 2:
         raise ValueError(f"qk_rope_head_dim={rope_dim} must be even (rotary pairs)")
     layers = _positive_int(d, "num_hidden_layers")
-    first_dense = d.get("first_k_dense_replace", 3)  # HF's default
-    if isinstance(first_dense, bool) or not isinstance(first_dense, int) or first_dense < 0:
-        raise ValueError(f"first_k_dense_replace={first_dense!r} must be a non-negative integer")
+    first_dense = int_field(d, "first_k_dense_replace", 3, minimum=0,  # 3: HF's default
+                            architecture=ARCHITECTURE)
     if d.get("moe_layer_freq", 1) != 1:
         raise ValueError(f"moe_layer_freq={d['moe_layer_freq']!r} is not supported for "
                          f"{ARCHITECTURE} (HF's DeepseekV3 routes every layer from "
