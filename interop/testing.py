@@ -27,6 +27,18 @@ FAMILY_CONFIGS = {
     "Qwen3MoeForCausalLM": dict(rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False,
                                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                 norm_topk_prob=True),
+    # MLA with both low-rank paths and interleaved YaRN rope (DeepSeek-V3's own rope_scaling,
+    # mscale = mscale_all_dim: the softmax scale grows by mscale^2); every layer dense until the
+    # MoE layer is in (first_k_dense_replace = num_hidden_layers).
+    "DeepseekV3ForCausalLM": dict(
+        rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False,
+        num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=24, first_k_dense_replace=2, rope_interleave=True,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
+        topk_group=1,
+        rope_parameters={"rope_type": "yarn", "factor": 32.0, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 64,
+                         "beta_fast": 32, "beta_slow": 1}),
 }
 
 
@@ -41,6 +53,10 @@ def _config(architecture: str, eos_token_id: int, pad_token_id: int, vocab_size:
     dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=2048)
     rope = {"rope_type": "default", "rope_theta": theta}
+    if "rope_parameters" in extra:  # the family's own rope (DeepSeek's YaRN)
+        rope = {**extra.pop("rope_parameters"), "rope_theta": theta}
+    if architecture == "DeepseekV3ForCausalLM":
+        del dims["num_key_value_heads"], dims["head_dim"]  # MLA: heads alike; head_dim = rope dim
     if "rope_parameters" in overrides:
         rope = {**overrides.pop("rope_parameters"), "rope_theta": theta}
     for name in [n for n in overrides if n in extra]:  # a family field (num_experts_per_tok, ...)
@@ -48,7 +64,8 @@ def _config(architecture: str, eos_token_id: int, pad_token_id: int, vocab_size:
     dims.update(overrides)
     cls = {"LlamaForCausalLM": transformers.LlamaConfig, "Qwen2ForCausalLM": transformers.Qwen2Config,
            "Qwen3ForCausalLM": transformers.Qwen3Config,
-           "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig}[architecture]
+           "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+           "DeepseekV3ForCausalLM": transformers.DeepseekV3Config}[architecture]
     return cls(vocab_size=vocab_size, rms_norm_eps=1e-6, rope_parameters=rope, **dims,
                eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=None,
                architectures=[architecture], dtype="bfloat16", **extra)

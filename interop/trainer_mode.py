@@ -1,5 +1,5 @@
-"""Trainer mode: HF transformers' own forward (Llama, Qwen2, Qwen3, Qwen3-MoE), in torch, computing
-the engine's bits.
+"""Trainer mode: HF transformers' own forward (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3), in
+torch, computing the engine's bits.
 
 ``enable()`` overrides, with ``torch.library`` at the device's dispatch key (the way
 ``batch_invariant_ops`` does), the aten operations whose torch implementation cannot reproduce the
@@ -20,6 +20,8 @@ rounds HF's to bf16). MoE routers and experts are replaced at the module level t
 (interop/trainer_moe.py): each router's forward runs its gate GEMM as before and then the twin of
 the router leaf ``--router-topk torch`` plans in the engine, and each experts module's forward the
 engine's expert path and slot-order combine in routed torch ops.
+MLA attention modules (``DeepseekV3Attention``) run the engine's absorbed computation instead of
+HF's expanded one (interop/trainer_mla.py).
 Leaving the context restores the model and the dispatcher.
 
 Unsupported call forms (e.g. ``addmm`` with beta != 1, a mean over another axis) run torch's own
@@ -45,6 +47,7 @@ from typing import Any
 import torch
 
 from interop import trainer_moe
+from interop.trainer_mla import route_mla_attention
 from interop.twin_autograd import twin_attention
 from interop.twins import TwinError, TwinTable, plan_twin_table
 
@@ -206,6 +209,7 @@ class TrainerMode:
     def _prepare_model(self, model) -> None:
         self.route_moe_routers(model)
         self.route_moe_experts(model)
+        route_mla_attention(self, model, self._model_restore, _UNSET)
         register_twin_attention(self.table)
         previous = model.config._attn_implementation
         _set_attn_implementation(model, ATTENTION_NAME)

@@ -11,8 +11,9 @@ Trainer mode reaches the twins two ways, and each way gets its backward differen
   derivative formula (derivatives.yaml: ``MmBackward0``, ``RsqrtBackward0``, ...) before handing it
   down to the twin, so those ops need nothing here. The formulas' own ops run under trainer mode
   too (a backward ``mm`` is the fixed-order GEMM twin): accurate, just not the fast kernels.
-* Three twins are called from Python, above the dispatcher, where autograd cannot see into them:
-  the dense-causal attention (selected through transformers' ``AttentionInterface``), the blockwise
+* Four twins are called from Python, above the dispatcher, where autograd cannot see into them:
+  the dense-causal attention (selected through transformers' ``AttentionInterface``), the MLA
+  attention (interop/trainer_mla.py), the blockwise
   log-sum-exp of the trainer's logprob (interop/trainer_logprobs.py) and a MoE router's top-k (the
   router module's forward, interop/trainer_mode.py). A twin returns a fresh tensor from JAX, which
   would silently cut the graph; the ``torch.autograd.Function``s below wrap them.
@@ -69,6 +70,32 @@ def twin_attention(twin: Callable, q, k, v, *, scale: float):
     """``twin(q, k, v, scale=scale)`` (the dense-causal attention leaf's twin: q [B, S, Hq, D],
     k/v [B, S, Hkv, D]) with a backward, so gradients reach q, k and v."""
     return _TwinAttention.apply(q, k, v, twin, scale)
+
+
+class _TwinMLAAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, latent, twin, v_width, scale):
+        ctx.save_for_backward(q, latent)
+        ctx.v_width, ctx.scale = v_width, scale
+        return twin(q, latent, v_width=v_width, scale=scale)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        # MQA with one KV head whose key is the latent and whose value is its first v_width
+        # columns: the dense backward with value = the whole latent and zero gradient on the
+        # columns the output does not carry; the latent's gradient is its key's plus its value's.
+        q, latent = ctx.saved_tensors
+        kv = latent[:, :, None, :]
+        pad = grad_out.new_zeros(*grad_out.shape[:-1], latent.shape[-1] - ctx.v_width)
+        dq, dk, dv = causal_attention_backward(q, kv, kv, torch.cat([grad_out, pad], -1),
+                                               ctx.scale)
+        return dq, (dk + dv)[:, :, 0], None, None, None
+
+
+def twin_mla_attention(twin: Callable, q, latent, *, v_width: int, scale: float):
+    """``twin(q, latent, v_width=, scale=)`` (the MLA dense-causal leaf's twin: q [B, S, H, W],
+    latent [B, S, W] -> [B, S, H, v_width]) with a backward to q and the latent."""
+    return _TwinMLAAttention.apply(q, latent, twin, v_width, scale)
 
 
 def fold_partials(partials):

@@ -40,6 +40,7 @@ import pallas_kernels.activation  # noqa: F401
 import pallas_kernels.attention  # noqa: F401
 import pallas_kernels.gemm  # noqa: F401
 import pallas_kernels.logprobs  # noqa: F401
+import pallas_kernels.mla_attention  # noqa: F401
 import pallas_kernels.moe_router  # noqa: F401
 import pallas_kernels.moe_router_grouped  # noqa: F401
 import pallas_kernels.rmsnorm  # noqa: F401
@@ -52,6 +53,7 @@ LEAF_OPERATORS = {
     "rmsnorm": ("norm", "rmsnorm"),
     "silu": ("activation", "silu"),
     "attention": ("attention", "dense_causal"),
+    "mla_attention": ("attention", "mla_dense_causal"),
     "block_sumexp": ("sampling", "block_sumexp"),
     "router_topk": ("moe", "router_topk"),
     "router_grouped_topk": ("moe", "router_grouped_topk"),
@@ -171,6 +173,7 @@ class TwinTable:
     # (logits f32[T,E], bias f32[E], *, k, n_group, topk_group, norm_topk_prob,
     #  routed_scaling_factor, score) -> (ids, weights)
     router_grouped_topk: Callable[..., Any]
+    mla_attention: Callable[..., Any]  # (q [B,S,H,W], latent [B,S,W], *, v_width, scale)
     elementwise: dict[str, Callable[..., Any]] = field(default_factory=dict)
     provenance: dict[str, str] = field(default_factory=dict)  # op -> where its twin comes from
 

@@ -69,9 +69,11 @@ def _pad_context(k_ctx, v_ctx):
 
 
 def attend_fixed_order(q, k_ctx, v_ctx, q_ctx, q_pos, *, scale):
-    """q [T, Hq, D]; k_ctx, v_ctx [R, C, Hkv, D] (context index = absolute position);
-    q_ctx [T]: which context each query row reads; q_pos [T]: the row's position."""
+    """q [T, Hq, D]; k_ctx [R, C, Hkv, D], v_ctx [R, C, Hkv, Dv] (context index = absolute
+    position; Dv = D but for MLA's latent, pallas_kernels/mla_attention.py); q_ctx [T]: which
+    context each query row reads; q_pos [T]: the row's position. -> [T, Hq, Dv]"""
     t, hq, d = q.shape
+    dv = v_ctx.shape[-1]
     k_ctx, v_ctx = _pad_context(k_ctx, v_ctx)
     c, hkv = k_ctx.shape[1], k_ctx.shape[2]
     g = hq // hkv
@@ -103,9 +105,9 @@ def attend_fixed_order(q, k_ctx, v_ctx, q_ctx, q_pos, *, scale):
         return l_new, o_new
 
     l0 = jnp.zeros((t, hkv, g), jnp.float32)
-    o0 = jnp.zeros((t, hkv, g, d), jnp.float32)
+    o0 = jnp.zeros((t, hkv, g, dv), jnp.float32)
     l, o = lax.fori_loop(0, c // KV_BLOCK, block_step, (l0, o0))
-    return (o * (jnp.float32(1.0) / l)[..., None]).astype(q.dtype).reshape(t, hq, d)
+    return (o * (jnp.float32(1.0) / l)[..., None]).astype(q.dtype).reshape(t, hq, dv)
 
 
 def attend_xla_native(q, k_ctx, v_ctx, q_ctx, q_pos, *, scale):
@@ -119,7 +121,7 @@ def attend_xla_native(q, k_ctx, v_ctx, q_ctx, q_pos, *, scale):
     valid = (jnp.arange(c)[None, :] <= q_pos[:, None])[:, None, None, :]
     p = jax.nn.softmax(jnp.where(valid, s, -jnp.inf), axis=-1)
     o = jnp.einsum("thgc,tchd->thgd", p, v_ctx[q_ctx].astype(jnp.float32))
-    return o.astype(q.dtype).reshape(t, hq, d)
+    return o.astype(q.dtype).reshape(t, hq, v_ctx.shape[-1])
 
 
 def _gather_pages(cache, block_tables):
@@ -143,12 +145,13 @@ def _paged(core):
 
 def _dense_causal(core):
     def dense_causal_attention(q, k, v, *, scale):
-        """q [B, S, Hq, D], k/v [B, S, Hkv, D] -> [B, S, Hq, D]; query i attends to 0..i."""
+        """q [B, S, Hq, D], k/v [B, S, Hkv, D] -> [B, S, Hq, D]; query i attends to 0..i.
+        (v may be narrower than q and k: HF's expanded MLA, v_head_dim < qk_head_dim.)"""
         b, s, hq, d = q.shape
         q_ctx = jnp.repeat(jnp.arange(b, dtype=jnp.int32), s)
         q_pos = jnp.tile(jnp.arange(s, dtype=jnp.int32), b)
         out = core(q.reshape(b * s, hq, d), k, v, q_ctx, q_pos, scale=scale)
-        return out.reshape(b, s, hq, d)
+        return out.reshape(b, s, hq, v.shape[-1])
 
     return dense_causal_attention
 

@@ -16,9 +16,14 @@ hidden 4096, 32 query / 8 KV heads, head_dim 128, the real vocabularies:
   qwen3moe Qwen3MoeForCausalLM at Qwen3-30B-A3B's widths: hidden 2048, 32 query / 4 KV heads,
            64 experts, top-8 (norm_topk_prob), moe_intermediate_size 768, vocab 151936;
            both layers sparse. The trainer's experts run under trainer mode's expert path.
+  deepseek_v3 DeepseekV3ForCausalLM's MLA at DeepSeek widths: hidden 2048, 16 heads, q_lora 1536,
+           kv_lora 512, qk_rope 64 (interleaved, YaRN factor 4 / mscale_all_dim 1), qk_nope 128,
+           v_head 128, vocab 129280; both layers dense (the MoE layer is not in yet). The
+           trainer's attention runs the absorbed MLA under trainer mode (interop/trainer_mla.py).
 
 Sequences: random ids of 7, 64, 333, 1000 and --max-len tokens, and a chat-template conversation;
-for qwen3moe only random ids of 1100 and 2048 tokens (`LENGTHS`: the step stays under 5 minutes).
+for qwen3moe only random ids of 1100 and 2048 tokens, for deepseek_v3 64, 1100 and 2048 (`LENGTHS`:
+the step stays under 5 minutes).
 The trainer is HF transformers' own forward on CUDA under trainer mode (the Triton twins); its
 logprobs are written in all four forms the engine offers (neg-ce / direct x 32768 / 16384 blocks).
 The engine (one rl-bitwise Engine per case; the sampler is re-planned per logprob order, which
@@ -67,16 +72,26 @@ CASES = {
                                              tie_word_embeddings=False,
                                              rope_parameters={"rope_type": "default",
                                                               "rope_theta": 1e6})),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", dict(
+        hidden_size=2048, num_attention_heads=16, intermediate_size=10944, q_lora_rank=1536,
+        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        first_k_dense_replace=2, rope_interleave=True, vocab_size=129280,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096,
+                         "beta_fast": 32, "beta_slow": 1})),
 }
 # Per case, its sequences' lengths where they are not the dense default (7, 64, 333, 1000, --max-len
 # and the chat). The engine runs every expert on every row (E/k = 8x the routed FLOPs) and the
 # trainer loops over the experts: two sequences past 1k tokens, no chat, keep the step short.
-LENGTHS = {"qwen3moe": (1100, 2048)}
+LENGTHS = {"qwen3moe": (1100, 2048), "deepseek_v3": (64, 1100, 2048)}
 # --smoke / --small: CPU widths, one vocabulary block, short sequences; every case takes the
 # fields it has.
 SMOKE = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, intermediate_size=512,
-             num_experts=16, moe_intermediate_size=64, vocab_size=32768)
-SMOKE_LENGTHS = {"qwen3moe": (37, 70)}
+             num_experts=16, moe_intermediate_size=64, vocab_size=32768, q_lora_rank=96,
+             kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32)
+SMOKE_LENGTHS = {"qwen3moe": (37, 70), "deepseek_v3": (37, 70)}
 VARIANTS = [("neg-ce", 32768), ("direct", 32768), ("neg-ce", 16384), ("direct", 16384)]
 CHAT = [{"role": "system", "content": "You are a numerical analyst."},
         {"role": "user", "content": " ".join(f"Question {i}: why is the fp32 fold of block partials "
@@ -98,8 +113,12 @@ def build_model(directory: Path, arch: str, dims: dict, seed: int):
 
     directory.mkdir(parents=True, exist_ok=True)
     special = write_tiny_tokenizer(directory)
+    fields = {**WIDTHS, **dims}
+    if arch == "DeepseekV3ForCausalLM":  # MLA: every head reads the latent; head_dim = rope dim
+        fields["num_key_value_heads"] = fields["num_attention_heads"]
+        del fields["head_dim"]
     cfg = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
-        **{**WIDTHS, **dims}, eos_token_id=special[tiny.IM_END],
+        **fields, eos_token_id=special[tiny.IM_END],
         pad_token_id=special[tiny.ENDOFTEXT],
         bos_token_id=None, architectures=[arch], dtype="bfloat16",
         **({"attention_bias": False} if arch != "Qwen2ForCausalLM" else {}))
@@ -148,14 +167,17 @@ def trainer_records(model, seqs, *, stock: bool) -> dict:
     records = {v: [] for v in variants}
     mode = None if stock else trainer_mode.enable(model, device=DEVICE)
     table = plan_twin_table(DEVICE)
-    # Named states (interop/states.py) name a dense layer's ops; a MoE layer has none of them.
+    # Named states (interop/states.py) name a dense GQA layer's ops; a MoE layer and an MLA
+    # attention have none of them.
     moe = getattr(model.config, "num_experts", 0) > 0
+    mla = getattr(model.config, "kv_lora_rank", None) is not None
+    unnamed = moe or mla
     try:
         for ids, prompt_len in seqs:
             t = torch.tensor(ids, dtype=torch.long, device=DEVICE)[None]
             with torch.no_grad():
                 # Named states of the first 64 positions, for --bisect should a sequence mismatch.
-                capture = (contextlib.nullcontext({}) if moe
+                capture = (contextlib.nullcontext({}) if unnamed
                            else capture_hf_states(model, min(64, len(ids))))
                 with capture as states:
                     logits = model(t, use_cache=False).logits[0]
@@ -180,6 +202,9 @@ def trainer_records(model, seqs, *, stock: bool) -> dict:
     # Unrouted experts would run HF's grouped_mm, which trainer mode does not count as a fallback.
     if mode is not None and moe and not mode.routed["moe_experts"]:
         raise RuntimeError(f"trainer mode did not route the MoE experts: {summary}")
+    # Unrouted MLA would run HF's expanded attention: other arithmetic, no fallback counted.
+    if mode is not None and mla and not mode.routed["mla_attention"]:
+        raise RuntimeError(f"trainer mode did not route the MLA attention: {summary}")
     return records
 
 
@@ -195,22 +220,27 @@ def rope_finding(case: str, arch: str, dims: dict) -> str:
     from jengine.models.layers.rope import inv_freq_and_scaling
 
     rope = dims["rope_parameters"]
-    cfg = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**{**WIDTHS, **dims})
+    fields = {**WIDTHS, **dims}
+    if arch == "DeepseekV3ForCausalLM":
+        del fields["head_dim"]  # the config sets it: the rotary width
+    cfg = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**fields)
+    dim = cfg.head_dim
     with trainer_mode.enable(device=DEVICE):  # HF's own function on CUDA, pow routed to XLA's
         if rope["rope_type"] == "default":
-            exponent = torch.arange(0, 128, 2, dtype=torch.int64, device=DEVICE).float() / 128
+            exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=DEVICE).float() / dim
             hf = 1.0 / (rope["rope_theta"] ** exponent)
         else:
             hf, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](cfg, device=DEVICE)
     hf = hf.cpu().numpy()
-    ours, _ = inv_freq_and_scaling(128, rope["rope_theta"], None if rope["rope_type"] == "default"
+    ours, _ = inv_freq_and_scaling(dim, rope["rope_theta"], None if rope["rope_type"] == "default"
                                    else {k: v for k, v in rope.items() if k != "rope_theta"},
                                    WIDTHS["max_position_embeddings"],
                                    frequency_device="device")
-    exponent = jnp.arange(0, 128, 2, dtype=jnp.int32).astype(jnp.float32) / jnp.float32(128)
+    exponent = jnp.arange(0, dim, 2, dtype=jnp.int32).astype(jnp.float32) / jnp.float32(dim)
     old = np.asarray(jnp.float32(1.0) / (jnp.float32(rope["rope_theta"]) ** exponent))
     diff = lambda a, b: int((a.view(np.uint32) != b.view(np.uint32)).sum())  # noqa: E731
-    return (f"{case}: inv_freq, HF on CUDA (pow routed) vs engine: {diff(hf, ours)} of 64 differ; "
+    return (f"{case}: inv_freq, HF on CUDA (pow routed) vs engine: {diff(hf, ours)} of "
+            f"{dim // 2} differ; "
             f"the default frequencies with XLA's GPU division (the old engine) vs HF default: "
             f"{diff(old, hf) if rope['rope_type'] == 'default' else 'n/a'}")
 

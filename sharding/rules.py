@@ -33,6 +33,7 @@ RULES_TABLE: tuple[tuple[str, MeshAxis, MeshAxis, MeshAxis, MeshAxis], ...] = (
     ("heads",       None,       T,         T,         T),         # q heads
     ("kv_heads",    None,       T,         T,         T),         # replicated when tp > kv_heads
     ("head_dim",    None,       None,      None,      None),      # a head is never split
+    ("latent",      None,       None,      None,      None),      # MLA's low-rank widths (q/kv lora)
     ("mlp",         None,       T,         T,         T),         # gate/up columns
     # The two reduction sites. Row-parallel (input split): the output is a cross-rank sum.
     # Column-parallel on hidden (output split), fed by an all-gather of the input: every output
@@ -62,6 +63,7 @@ class ShardingRules:
     heads: MeshAxis
     kv_heads: MeshAxis
     head_dim: MeshAxis
+    latent: MeshAxis
     mlp: MeshAxis
     o_heads: MeshAxis
     o_embed: MeshAxis

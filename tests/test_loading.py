@@ -59,7 +59,8 @@ FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("architecture", SUPPORTED_ARCHITECTURES)
+# The GQA families; DeepSeek-V3's MLA config has its own rules (tests/test_deepseek_v3.py).
+@pytest.mark.parametrize("architecture", tuple(FAMILIES))
 @pytest.mark.parametrize("named", [False, True], ids=["model_type", "architectures"])
 def test_config_from_transformers_families(architecture, named):
     hf = FAMILIES[architecture](**SMALL, eos_token_id=[7, 9], bos_token_id=3)
@@ -162,7 +163,7 @@ def test_registry_lists_the_families_and_refuses_a_second_registration():
     from jengine.models import registry
 
     assert SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                                       "Qwen3MoeForCausalLM")
+                                       "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
     with pytest.raises(ValueError, match="unsupported model architecture 'GPT2LMHeadModel'; "
                                          "supported: LlamaForCausalLM, Qwen2ForCausalLM, "
                                          "Qwen3ForCausalLM"):

@@ -237,6 +237,12 @@ class Engine(RLControl):
             "eos_token_ids": sorted(self._eos_ids),
             "warnings": list(self.resolved.warnings),
         })
+        pool = getattr(self.runner, "kv_pool", None)
+        if pool is not None:
+            # What one token costs in the KV pool, over every layer: elements (the KV cache spec's
+            # layout: K/V heads, or MLA's one latent) and bytes in the pool's dtype.
+            info["kv_values_per_token"] = pool.spec.values_per_token
+            info["kv_bytes_per_token"] = pool.spec.values_per_token * pool.dtype.itemsize
         parallelism = getattr(self.runner, "parallelism", None)
         if parallelism is not None:
             info["parallelism"] = {**parallelism(), "invariances": self._invariances()}

@@ -16,7 +16,8 @@ qkv bias, Qwen3's q/k norm, the o_proj bias rule, refused options) is the family
   size (runtime `vocab_size`); missing or null means equal.
 
 The MoE and MLA fields are declared with their dense defaults (0: no experts, no latent
-attention) so that checks read fields, not probes; Qwen3-MoE sets the MoE ones.
+attention) so that checks read fields, not probes; Qwen3-MoE sets the MoE ones, DeepSeek-V3
+(jengine/models/deepseek_v3.py) the MLA ones, and its `head_dim` (the rotary width).
 
 The Hugging Face dict itself is never rewritten.
 """
@@ -87,6 +88,8 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    rope_interleave: bool = False   # rotary dims in interleaved pairs (DeepSeek's rope_interleave)
+    first_k_dense_replace: int = 0  # DeepSeek-V3: the first k layers keep a dense MLP
 
     def __post_init__(self) -> None:
         check_vocab_sizes(self.input_vocab_size, self.vocab_size)
@@ -129,7 +132,8 @@ class ModelConfig:
 
         hidden_size = _required(d, "hidden_size")
         num_attention_heads = _required(d, "num_attention_heads")
-        head_dim = d.get("head_dim")
+        # A family may define head_dim itself (MLA: the rotary width, which config.json may omit).
+        head_dim = family_fields.pop("head_dim", None) or d.get("head_dim")
         if head_dim is None:
             _require_positive_int("hidden_size", hidden_size)
             _require_positive_int("num_attention_heads", num_attention_heads)

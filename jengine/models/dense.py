@@ -76,27 +76,32 @@ def dense_mlp(cfg, layer: int):
 
 
 class DecoderLayer(nnx.Module):
+    """attention: the attention class (GQA `Attention`; MLA's `MLAttention`,
+    jengine/models/layers/mla.py); it takes the call `Attention.__call__` takes."""
+
     @staticmethod
-    def specs(cfg, *, dtype, mlp=SwiGLU) -> dict[str, dict]:
+    def specs(cfg, *, dtype, mlp=SwiGLU, attention=Attention) -> dict[str, dict]:
         return {"input_layernorm": RMSNorm.specs(cfg.hidden_size, "embed", dtype=dtype),
-                "self_attn": Attention.specs(cfg, dtype=dtype),
+                "self_attn": attention.specs(cfg, dtype=dtype),
                 "post_attention_layernorm": RMSNorm.specs(cfg.hidden_size, "embed", dtype=dtype),
                 "mlp": mlp.specs(cfg, dtype=dtype)}
 
-    def __init__(self, cfg, specs: dict, source, mlp=SwiGLU):
+    def __init__(self, cfg, specs: dict, source, mlp=SwiGLU, attention=Attention):
         self.input_layernorm = RMSNorm(specs["input_layernorm"], source)
-        self.self_attn = Attention(cfg, specs["self_attn"], source)
+        self.self_attn = attention(cfg, specs["self_attn"], source)
         self.post_attention_layernorm = RMSNorm(specs["post_attention_layernorm"], source)
         self.mlp = mlp(cfg, specs["mlp"], source)
 
 
 def param_specs(cfg, *, dtype, checkpoint_name: Callable[[str], str],
-                mlp_for=dense_mlp) -> dict[str, ParamSpec]:
+                mlp_for=dense_mlp, attention=Attention) -> dict[str, ParamSpec]:
     """Every parameter of a dense decoder, by path ("layers.0.self_attn.q_proj.weight"), with its
     checkpoint tensor named by the family's `checkpoint_name(path)`. Nothing is loaded.
-    mlp_for(cfg, layer): each layer's MLP class (`dense_mlp`)."""
+    mlp_for(cfg, layer): each layer's MLP class (`dense_mlp`); attention: every layer's attention
+    class."""
     tree = {"embed_tokens": Embedding.specs(cfg, dtype=dtype),
-            "layers": {str(i): DecoderLayer.specs(cfg, dtype=dtype, mlp=mlp_for(cfg, i))
+            "layers": {str(i): DecoderLayer.specs(cfg, dtype=dtype, mlp=mlp_for(cfg, i),
+                                                  attention=attention)
                        for i in range(cfg.num_hidden_layers)},
             "norm": RMSNorm.specs(cfg.hidden_size, "embed", dtype=dtype),
             "lm_head": LMHead.specs(cfg, dtype=dtype)}
@@ -111,6 +116,7 @@ class DenseDecoder(nnx.Module):
     """Weights and the forward of one dense decoder, its parameters filled from `source`."""
 
     mlp_for = staticmethod(dense_mlp)  # each layer's MLP class; a subclass may choose per layer
+    attention = Attention  # every layer's attention class (MLA's body sets its own)
 
     def __init__(self, cfg, specs: dict[str, ParamSpec], source, *, dtype, kernels: ModelKernels,
                  layer_boundary_norm: str = "unfused", rope_frequency_device: str = "device",
@@ -126,7 +132,7 @@ class DenseDecoder(nnx.Module):
         tree = _nest(specs)
         self.embed_tokens = Embedding(tree["embed_tokens"], source)
         self.layers = nnx.List([DecoderLayer(cfg, tree["layers"][str(i)], source,
-                                             self.mlp_for(cfg, i))
+                                             self.mlp_for(cfg, i), self.attention)
                                 for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(tree["norm"], source)
         self.lm_head = LMHead(tree["lm_head"], source)

@@ -75,6 +75,15 @@ class ModelFamily:
                                   kernels=kernels, **options)
 
 
+def int_field(d: Mapping[str, Any], name: str, default: Any, *, minimum: int,
+              architecture: str) -> int:
+    """config.json's integer `name` (or `default`), refused below `minimum` or when not an int."""
+    value = d.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum} for {architecture}")
+    return value
+
+
 def hf_decoder_name(cfg, path: str) -> str:
     """The HF *ForCausalLM naming shared by the Llama-style families: the decoder under "model.",
     the head at the top level, or the embedding when the config ties them (the head's spec then

@@ -5,8 +5,8 @@ reads, writes and copies the pool from it; the model's attention receives each l
 the spec's layout. Two layouts exist:
 
 - `KVPages`: a K page and a V page per layer, each [page_size, kv_heads, head_dim] (GQA);
-- `LatentPages`: one page per layer of [page_size, width] (MLA's compressed latent; no family
-  uses it yet).
+- `LatentPages`: one page per layer of [page_size, width] (MLA's compressed latent plus its rotary
+  key, jengine/models/layers/mla.py).
 
 A layer's pool is a tuple of arrays, one per component (`components`), each
 [num_pages, page_size, *page_shape]. One array per layer and component, not one stacked array:
@@ -73,6 +73,15 @@ class KVCacheSpec:
     @property
     def layout(self) -> KVPages | LatentPages:
         return self.layers[0]
+
+    @property
+    def values_per_token(self) -> int:
+        """Values one position holds across every layer and component: what a token costs in
+        the pool, in elements (MLA: the latent width per layer, not the expanded heads)."""
+        per_layer = len(self.layout.components)
+        for n in self.layout.page_shape:
+            per_layer *= n
+        return per_layer * len(self.layers)
 
     def allocate(self, num_pages: int, page_size: int, dtype, device=None):
         """The zeroed pool: per layer, a tuple of one array per component. device: a Sharding

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from jengine.models.family import ModelFamily, ModelProfile, hf_decoder_name
+from jengine.models.family import ModelFamily, ModelProfile, hf_decoder_name, int_field
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 
@@ -23,10 +23,7 @@ _EXPERT_PARAM = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|do
 
 
 def _int_field(d, name: str, default: int, *, minimum: int) -> int:
-    value = d.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum} for {ARCHITECTURE}")
-    return value
+    return int_field(d, name, default, minimum=minimum, architecture=ARCHITECTURE)
 
 
 def parse_config(d) -> dict:

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 from jengine.models.family import ModelFamily
 
 FAMILY_MODULES = ("jengine.models.llama", "jengine.models.qwen2", "jengine.models.qwen3",
-                  "jengine.models.qwen3_moe")
+                  "jengine.models.qwen3_moe", "jengine.models.deepseek_v3")
 
 _FAMILIES: dict[str, ModelFamily] = {}
 

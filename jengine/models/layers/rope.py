@@ -194,3 +194,15 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def apply_rope_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """HF's ``apply_rotary_pos_emb_interleave`` (DeepSeek's ``rope_interleave``): dimension pairs
+    (x0, x1), (x2, x3), ... each rotated by one frequency, the outputs laid out
+    ``concat(x_even * cos - x_odd * sin, x_odd * cos + x_even * sin)``; each op rounded in the
+    model dtype, in that order. x [T, H, D]; cos, sin [T, D] (``concat(angle, angle)`` tables: the
+    first half holds each pair's angle)."""
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return jnp.concatenate([even * c - odd * s, odd * c + even * s], axis=-1)
