@@ -113,10 +113,11 @@ def _assert_passes(results, modes):
 
 
 def test_rl_bitwise_invariance_harness_passes(model_dir):
-    """CI size: alone / packed / rerun / prefix hit / chunked at an odd size / retraction, T=0."""
+    """CI size: alone / packed / rerun / prefix hit / chunked at an odd size / retraction /
+    overlap off, T=0."""
     results = _harness(model_dir, max_new_tokens=4, temperatures=(0.0,), chunk_sizes=(7,),
                        retraction_intervals=(-3,))
-    _assert_passes(results, {"packed", "rerun", "prefix-hit", "chunk-7", "retract-3"})
+    _assert_passes(results, {"packed", "rerun", "prefix-hit", "chunk-7", "retract-3", "overlap-off"})
 
 
 @pytest.mark.slow
