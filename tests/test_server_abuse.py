@@ -148,7 +148,10 @@ def _fuzz_one(url, seen, case):
     text = r.content.decode("utf-8", "replace")
     seen[r.status_code] = seen.get(r.status_code, 0) + 1
     assert r.status_code < 500, f"{route} {raw[:300]} -> {r.status_code} {text[:500]}"
-    assert "server_error" not in text, f"{route} {raw[:300]} -> stream error {text[:500]}"
+    # Hypothesis draws strings from this module's constants, so a body may carry "server_error"
+    # itself, and a 400 names the offending field and value: only a body without it can tell.
+    if "server_error" not in raw:
+        assert "server_error" not in text, f"{route} {raw[:300]} -> stream error {text[:500]}"
 
 
 def test_fuzz_every_route_no_5xx_and_the_server_lives(fuzz_server):
