@@ -14,8 +14,8 @@ two routings (random; skewed: every token to experts 0..7, the largest groups):
   control (fatal) the same comparison with the tile -> expert map shifted by one finds
           differences: the check can fail.
   timing  (reported) one MoE layer's experts, routed (routed_expert_outputs: three grouped
-          launches) vs dense (moe.py's _Experts: every expert on every row), medians of --iters
-          after two warm-up calls, ms, for --timing-ts.
+          launches) vs dense (every expert on every row, the path moe.py ran before), medians of
+          --iters after two warm-up calls, ms, for --timing-ts.
 
 `--device cpu` runs the same code with the CPU's fixed-order leaves (`--small` shrinks the widths);
 that is how this script is checked off the GPU. Prints a table, then one line of JSON (the
@@ -38,7 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jengine.models.layers.moe import _Experts, slot_order_sum  # noqa: E402
+from jengine.models.layers.moe import expert_row_weights, slot_order_sum  # noqa: E402
 from jengine.models.layers.moe_routed import routed_expert_outputs  # noqa: E402
 from pallas_kernels._triton_launch import bits  # noqa: E402
 from pallas_kernels._twin import to_torch  # noqa: E402
@@ -153,14 +153,13 @@ def median_ms(fn, *args, iters: int) -> float:
 
 
 def timings(kern, dims, tokens, iters: int, rng) -> list[dict]:
-    """One layer's experts, routed vs dense (moe.py's _Experts, then the slot selection), each
-    folded in slot order: ms medians."""
+    """One layer's experts, routed vs dense (every expert on every row, then the slot
+    selection), each folded in slot order: ms medians."""
     h, i, e, k = dims["hidden"], dims["inter"], dims["experts"], dims["top_k"]
     keys = jax.random.split(jax.random.key(7), 3)
     gw, uw = ((jax.random.normal(key, (e, h, i), jnp.float32) / np.sqrt(h)).astype(jnp.bfloat16)
               for key in keys[:2])
     dw = (jax.random.normal(keys[2], (e, i, h), jnp.float32) / np.sqrt(i)).astype(jnp.bfloat16)
-    dense_experts = SimpleNamespace(gate_proj=gw, up_proj=uw, down_proj=dw)  # param[...] = itself
 
     @jax.jit
     def routed(x, ids, w):
@@ -169,9 +168,15 @@ def timings(kern, dims, tokens, iters: int, rng) -> list[dict]:
 
     @jax.jit
     def dense(x, ids, w):
-        per_expert = _Experts.__call__(dense_experts, kern, x, dtype=jnp.bfloat16)
+        """The path moe.py ran before the routed one: every expert on every row (gate/up as one
+        grouped gemm launch, down one gemm per expert), the weight inside the activation."""
+        row_w = expert_row_weights(ids, w.astype(jnp.bfloat16), e)                   # [E, T]
+        proj = kern.gemm_group(x, tuple(gw[j] for j in range(e)) + tuple(uw[j] for j in range(e)),
+                               None, out_dtype=jnp.bfloat16)
+        per_expert = jnp.stack([kern.gemm(kern.silu(proj[j]) * proj[e + j] * row_w[j][:, None],
+                                          dw[j], None, out_dtype=jnp.bfloat16) for j in range(e)])
         selected = per_expert[ids, jnp.arange(x.shape[0])[:, None]]
-        return slot_order_sum(selected * w[:, :, None].astype(jnp.bfloat16)).astype(jnp.bfloat16)
+        return slot_order_sum(selected).astype(jnp.bfloat16)
 
     rows = []
     for t in tokens:
