@@ -84,7 +84,7 @@ def test_deepseek_ep1_ep4_bitwise_equal_and_rank_combine_differs(deepseek_probe)
 @pytest.mark.slow
 def test_deepseek_invariance_harness_at_ep4(deepseek_harness):
     run = deepseek_harness["rl-bitwise ep4"]
-    assert run["modes"] == ["packed", "prefix-hit", "rerun"] and run["compared_values"] > 0
+    assert {"packed", "prefix-hit", "rerun"} <= set(run["modes"]) and run["compared_values"] > 0
     assert run["divergences"] == [], run["table"]
     control = deepseek_harness["auto ep4 f32"]
     assert control["compared_values"] > 0 and control["divergences"], control["table"]
