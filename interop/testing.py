@@ -28,14 +28,16 @@ FAMILY_CONFIGS = {
                                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                 norm_topk_prob=True),
     # MLA with both low-rank paths and interleaved YaRN rope (DeepSeek-V3's own rope_scaling,
-    # mscale = mscale_all_dim: the softmax scale grows by mscale^2); every layer dense until the
-    # MoE layer is in (first_k_dense_replace = num_hidden_layers).
+    # mscale = mscale_all_dim: the softmax scale grows by mscale^2); layer 0 dense, layers 1-2
+    # DeepSeek-MoE (16 experts in 4 groups, 2 groups kept, top-4, one shared expert), each with a
+    # non-zero random e_score_correction_bias (_draw_weights; HF initialises it to zeros, which
+    # would leave the bias's role in the choice untested).
     "DeepseekV3ForCausalLM": dict(
-        rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False,
+        rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False, num_hidden_layers=3,
         num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16,
-        qk_nope_head_dim=16, v_head_dim=24, first_k_dense_replace=2, rope_interleave=True,
-        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
-        topk_group=1,
+        qk_nope_head_dim=16, v_head_dim=24, first_k_dense_replace=1, rope_interleave=True,
+        n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, n_group=4,
+        topk_group=2, n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5,
         rope_parameters={"rope_type": "yarn", "factor": 32.0, "mscale": 1.0,
                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 64,
                          "beta_fast": 32, "beta_slow": 1}),
@@ -57,6 +59,8 @@ def _config(architecture: str, eos_token_id: int, pad_token_id: int, vocab_size:
         rope = {**extra.pop("rope_parameters"), "rope_theta": theta}
     if architecture == "DeepseekV3ForCausalLM":
         del dims["num_key_value_heads"], dims["head_dim"]  # MLA: heads alike; head_dim = rope dim
+    for name in [n for n in extra if n in dims]:  # the family's own size (DeepSeek: 3 layers)
+        dims[name] = extra.pop(name)
     if "rope_parameters" in overrides:
         rope = {**overrides.pop("rope_parameters"), "rope_theta": theta}
     for name in [n for n in overrides if n in extra]:  # a family field (num_experts_per_tok, ...)
@@ -93,6 +97,18 @@ def _draw_weights(model, seed: int, weight_std: float | None = None) -> None:
             p.copy_(torch.from_numpy(w.astype(np.float32)).to(p.dtype))
 
 
+def _draw_correction_biases(routers, seed: int) -> None:
+    """Each router's e_score_correction_bias (a buffer, which _draw_weights does not reach) ~
+    N(0, 0.1^2): comparable to the spread of the sigmoid scores, so it changes which experts win."""
+    import torch
+
+    rng = np.random.default_rng(seed + 1)
+    with torch.no_grad():
+        for router in routers:
+            bias = router.e_score_correction_bias
+            bias.copy_(torch.from_numpy(0.1 * rng.standard_normal(tuple(bias.shape))).to(bias.dtype))
+
+
 def make_tiny_hf_model(directory, architecture: str = "Qwen3ForCausalLM", *, seed: int = 0,
                        vocab_size: int = VOCAB_SIZE, weight_std: float | None = None,
                        **config_overrides) -> Path:
@@ -115,7 +131,11 @@ def make_tiny_hf_model(directory, architecture: str = "Qwen3ForCausalLM", *, see
                      **config_overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).to(torch.bfloat16)
+    routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    for router in routers:  # HF keeps the router in f32 (_keep_in_fp32_modules_strict)
+        router.float()
     _draw_weights(model, seed, weight_std)
+    _draw_correction_biases(routers, seed)
     model.save_pretrained(directory)
     write_tiny_tokenizer(directory)
     return directory

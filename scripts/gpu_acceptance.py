@@ -16,10 +16,14 @@ hidden 4096, 32 query / 8 KV heads, head_dim 128, the real vocabularies:
   qwen3moe Qwen3MoeForCausalLM at Qwen3-30B-A3B's widths: hidden 2048, 32 query / 4 KV heads,
            64 experts, top-8 (norm_topk_prob), moe_intermediate_size 768, vocab 151936;
            both layers sparse. The trainer's experts run under trainer mode's expert path.
-  deepseek_v3 DeepseekV3ForCausalLM's MLA at DeepSeek widths: hidden 2048, 16 heads, q_lora 1536,
+  deepseek_v3 DeepseekV3ForCausalLM at DeepSeek widths: hidden 2048, 16 heads, q_lora 1536,
            kv_lora 512, qk_rope 64 (interleaved, YaRN factor 4 / mscale_all_dim 1), qk_nope 128,
-           v_head 128, vocab 129280; both layers dense (the MoE layer is not in yet). The
-           trainer's attention runs the absorbed MLA under trainer mode (interop/trainer_mla.py).
+           v_head 128, vocab 129280; layer 0 dense, layer 1 DeepSeek-MoE: 64 experts in 8 groups,
+           4 groups kept, top-8 (norm_topk_prob, routed_scaling_factor 2.5), one shared expert,
+           moe_intermediate_size 1024, a random e_score_correction_bias ~ N(0, 0.05^2) (HF's
+           init is zeros). The trainer's attention runs the absorbed MLA, its router and experts
+           the grouped router's twin and the slot-order expert path under trainer mode
+           (interop/trainer_mla.py, interop/trainer_moe.py).
 
 Sequences: random ids of 7, 64, 333, 1000 and --max-len tokens, and a chat-template conversation;
 for qwen3moe only random ids of 1100 and 2048 tokens, for deepseek_v3 64, 1100 and 2048 (`LENGTHS`:
@@ -75,7 +79,9 @@ CASES = {
     "deepseek_v3": ("DeepseekV3ForCausalLM", dict(
         hidden_size=2048, num_attention_heads=16, intermediate_size=10944, q_lora_rank=1536,
         kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-        first_k_dense_replace=2, rope_interleave=True, vocab_size=129280,
+        first_k_dense_replace=1, n_routed_experts=64, num_experts_per_tok=8, n_group=8,
+        topk_group=4, n_shared_experts=1, moe_intermediate_size=1024, norm_topk_prob=True,
+        routed_scaling_factor=2.5, rope_interleave=True, vocab_size=129280,
         tie_word_embeddings=False,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "mscale": 1.0, "mscale_all_dim": 1.0,
@@ -89,7 +95,7 @@ LENGTHS = {"qwen3moe": (1100, 2048), "deepseek_v3": (64, 1100, 2048)}
 # --smoke / --small: CPU widths, one vocabulary block, short sequences; every case takes the
 # fields it has.
 SMOKE = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, intermediate_size=512,
-             num_experts=16, moe_intermediate_size=64, vocab_size=32768, q_lora_rank=96,
+             num_experts=16, n_routed_experts=16, moe_intermediate_size=64, vocab_size=32768, q_lora_rank=96,
              kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32)
 SMOKE_LENGTHS = {"qwen3moe": (37, 70), "deepseek_v3": (37, 70)}
 VARIANTS = [("neg-ce", 32768), ("direct", 32768), ("neg-ce", 16384), ("direct", 16384)]
@@ -124,6 +130,9 @@ def build_model(directory: Path, arch: str, dims: dict, seed: int):
         **({"attention_bias": False} if arch != "Qwen2ForCausalLM" else {}))
     with torch.device(DEVICE):
         model = getattr(transformers, arch)(cfg).to(torch.bfloat16)
+    routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    for router in routers:  # f32, as HF's from_pretrained keeps it (_keep_in_fp32_modules_strict)
+        router.float()
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
@@ -133,6 +142,8 @@ def build_model(directory: Path, arch: str, dims: dict, seed: int):
                 p.fill_(1.0)
             else:  # biases
                 p.normal_(0.0, 0.02, generator=g)
+        for router in routers:  # a buffer, zeros in HF's init: the bias's role would go untested
+            router.e_score_correction_bias.normal_(0.0, 0.05, generator=g)
     model.save_pretrained(directory)
     return model.eval()
 

@@ -1,17 +1,21 @@
-"""DeepseekV3ForCausalLM (issue #20, MLA part) against HF transformers' eager forward, its config
-rules, its latent KV cache, and prefilled-vs-decoded bit equality of the absorbed MLA leaf.
+"""DeepseekV3ForCausalLM (issue #20) against HF transformers' eager forward, its config rules, its
+latent KV cache, and prefilled-vs-decoded bit equality of the absorbed MLA leaf.
 
 One tiny random checkpoint (interop.testing: hidden 64, 4 heads, q_lora 48, kv_lora 32, rope 16
-interleaved with YaRN (factor 32, mscale = mscale_all_dim = 1), nope 16, v 24, 2 dense layers,
-vocab 32768).
+interleaved with YaRN (factor 32, mscale = mscale_all_dim = 1), nope 16, v 24; layer 0 dense,
+layers 1-2 DeepSeek-MoE: 16 experts in 4 groups, 2 kept, top-4, one shared expert, a random
+non-zero e_score_correction_bias; vocab 32768).
 
 Tolerances against HF eager: fp32 1e-4 (the whole-model bound of tests/test_models_hf.py: reduction
 orders differ, and HF attends over expanded keys and values -- c W_UK, c W_UV -- where we absorb
 W_UK into the query and apply W_UV after the attention, the same function in another order). bf16:
 the absorbed form rounds q_latent and the attention's latent output to bf16 where HF rounds the
 expanded k/v and the attention output, on top of the dense body's per-op rounding drift; we bound
-the logits' difference by 0.125 absolute on logits of magnitude < 8 (4 bf16 ulps there) and require
-the top-1 token to agree where HF's margin exceeds 0.25.
+the logits' difference by 0.125 absolute on logits of magnitude < 8 (4 bf16 ulps there) on the rows
+before the first routing difference, and require HF's routing on most rows. Those differences can
+flip an expert whose biased score is within rounding of the k-th (here 3 of 24 rows): a flipped
+expert is another function of the row, so from there on (that row, and later rows through attention)
+the logits differ by O(1) and no rounding bound holds.
 """
 
 import numpy as np
@@ -73,7 +77,10 @@ def test_config_reads_the_mla_fields(loaded):
         (ARCH, 32, 48, 16)
     assert (cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.head_dim, cfg.rope_interleave) == \
         (16, 24, 16, True)
-    assert cfg.num_experts == 0 and cfg.first_k_dense_replace == 2
+    assert (cfg.first_k_dense_replace, cfg.num_hidden_layers, cfg.num_experts,
+            cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (1, 3, 16, 4, 32)
+    assert (cfg.n_group, cfg.topk_group, cfg.n_shared_experts, cfg.routed_scaling_factor,
+            cfg.norm_topk_prob, cfg.router_score) == (4, 2, 1, 2.5, True, "sigmoid")
 
 
 def _hf_dict(ds_dir, **changes):
@@ -84,13 +91,28 @@ def _hf_dict(ds_dir, **changes):
     return d
 
 
-def test_moe_layers_and_odd_rope_are_refused(ds_dir):
-    with pytest.raises(ValueError, match=r"layers 1\.\.1 are MoE layers.*first_k_dense_replace=1"):
-        ModelConfig.from_hf_dict(_hf_dict(ds_dir, first_k_dense_replace=1))
-    with pytest.raises(ValueError, match="qk_rope_head_dim=15 must be even"):
-        ModelConfig.from_hf_dict(_hf_dict(ds_dir, qk_rope_head_dim=15))
-    with pytest.raises(ValueError, match="kv_lora_rank=None must be an integer >= 1"):
-        ModelConfig.from_hf_dict(_hf_dict(ds_dir, kv_lora_rank=None))
+def test_dense_only_config_has_no_moe_fields(ds_dir):
+    cfg = ModelConfig.from_hf_dict(_hf_dict(ds_dir, first_k_dense_replace=3))
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.n_shared_experts) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("changes, pattern", [
+    (dict(qk_rope_head_dim=15), "qk_rope_head_dim=15 must be even"),
+    (dict(kv_lora_rank=None), "kv_lora_rank=None must be an integer >= 1"),
+    (dict(topk_method="greedy"), "topk_method='greedy' is not supported.*'noaux_tc'"),
+    (dict(scoring_func="softmax"), "scoring_func='softmax' is not supported.*'sigmoid'"),
+    (dict(n_routed_experts=0), "n_routed_experts=0 must be an integer >= 1"),
+    (dict(n_group=3), "n_group=3 must divide n_routed_experts=16"),
+    (dict(n_group=16, topk_group=2), "n_group=16 leaves groups of 1 expert"),
+    (dict(topk_group=5), "topk_group=5 exceeds n_group=4"),
+    (dict(num_experts_per_tok=9), "num_experts_per_tok=9 exceeds the 8 experts of topk_group=2"),
+    (dict(routed_scaling_factor=0), "routed_scaling_factor=0 must be a positive number"),
+    (dict(n_shared_experts=-1), "n_shared_experts=-1 must be an integer >= 0"),
+    (dict(moe_layer_freq=2), "moe_layer_freq=2 is not supported"),
+])
+def test_config_refusals_name_field_and_value(ds_dir, changes, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        ModelConfig.from_hf_dict(_hf_dict(ds_dir, **changes))
 
 
 def test_kv_cache_is_one_latent_page_and_server_info_says_so(ds_dir):
@@ -101,13 +123,13 @@ def test_kv_cache_is_one_latent_page_and_server_info_says_so(ds_dir):
     with Engine(model_path=str(ds_dir), dtype="bfloat16", max_total_tokens=256,
                 max_prefill_tokens=32, max_running_requests=2, skip_warmup=True) as engine:
         spec = engine.runner.kv_pool.spec
-        assert spec.layout == LatentPages(width=32 + 16) and len(spec.layers) == 2
+        assert spec.layout == LatentPages(width=32 + 16) and len(spec.layers) == 3
         assert engine.runner.kernels.describe()["mla_attention"] == "xla_native"
         info = engine.server_info()
         out = engine.generate(input_ids=[[11, 22, 33, 44]],
                               sampling_params={"max_new_tokens": 3, "temperature": 0,
                                                "ignore_eos": True})
-    assert (info["kv_values_per_token"], info["kv_bytes_per_token"]) == (2 * 48, 2 * 48 * 2)
+    assert (info["kv_values_per_token"], info["kv_bytes_per_token"]) == (3 * 48, 3 * 48 * 2)
     assert len(out[0]["output_ids"]) == 3
 
 
@@ -118,14 +140,32 @@ def test_fp32_logits_and_greedy_match_hf(ds_dir, loaded):
     assert _greedy(runner, prompt, 12) == hf_greedy(model, prompt, 12)
 
 
-def test_bf16_logits_close_to_hf(ds_dir, loaded):
-    _, _, _, ours, ref = _hf_and_ours(ds_dir, loaded, "bfloat16", seed=2)
+def test_bf16_logits_close_to_hf_until_routing_differs(ds_dir, loaded):
+    """Module docstring: within 0.125 on the rows before HF's router first picks other experts (the
+    routed ids exported by the step program vs HF's DeepseekV3TopkRouter, compared as sets since
+    the auto router's slot order is not torch's), and HF's routing on >= 80% of (row, layer)."""
+    model, runner = _hf(ds_dir, "bfloat16"), _runner(ds_dir, loaded, dtype="bfloat16")
+    hf_ids = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, out: hf_ids.append(out[2].numpy()))
+             for layer in model.model.layers[1:]]
+    ids = np.random.default_rng(1).integers(0, 32768, size=24)
+    with torch.no_grad():
+        ref = model(torch.tensor(ids)[None]).logits[0].float().numpy()
+    for hook in hooks:
+        hook.remove()
+    n = len(ids)
+    hidden, routed = runner.forward_routed(StepBatch(
+        input_ids=ids, positions=np.arange(n), token_req=np.zeros(n),
+        block_tables=np.asarray([list(range(1, 8))]), hidden_rows=np.arange(n)))
+    ours, routed = np.asarray(runner.compute_logits(hidden))[:n], np.asarray(routed)[:n]
+    assert (routed[:, 0] == -1).all()  # layer 0 is dense
+    same = np.stack([np.sort(routed[:, layer], -1) == np.sort(hf_ids[layer - 1], -1)
+                     for layer in (1, 2)], axis=1).all(-1)          # [rows, MoE layers]
+    assert same.mean() >= 0.8
+    first_flip = int(np.argmin(same.all(-1))) if not same.all() else n
+    assert first_flip >= 4
     assert np.abs(ref).max() < 8
-    assert np.abs(ours - ref).max() <= 0.125
-    top2 = np.sort(ref, axis=-1)[:, -2:]
-    clear = (top2[:, 1] - top2[:, 0]) > 0.25
-    assert clear.any()
-    assert (ours.argmax(-1) == ref.argmax(-1))[clear].all()
+    assert np.abs(ours[:first_flip] - ref[:first_flip]).max() <= 0.125
 
 
 def test_prefilled_and_decoded_tokens_have_the_same_bits(ds_dir, loaded):

@@ -1,6 +1,7 @@
 """Expert parallelism (--ep-size) of a tiny Qwen3-MoE on 8 fake CPU devices: EP1 = EP2 = EP4 = EP8
 bitwise with the slot-order combine, the rank-order combine as its control, and the invariance
-harness at EP4. tests/ep_probe.py measures in a subprocess; the claims are asserted here."""
+harness at EP4; the same for a tiny DeepSeek-V3 (MLA, a dense layer, two MoE layers with a shared
+expert) at EP1 = EP4. tests/ep_probe.py measures in a subprocess; the claims are asserted here."""
 
 import pytest
 
@@ -54,3 +55,36 @@ def test_invariance_harness_auto_control_at_ep4(harness):
     run = harness["auto ep4 f32"]
     assert run["compared_values"] > 0
     assert run["divergences"], run["table"]
+
+
+# DeepSeek-V3: the routed experts split over the expert axis, the shared experts, the router and the
+# latent KV pool whole on every rank.
+@pytest.fixture(scope="module")
+def deepseek_probe():
+    return run_probe("ep_probe.py", "deepseek")
+
+
+@pytest.fixture(scope="module")
+def deepseek_harness():
+    return run_probe("ep_probe.py", "deepseek", "harness")["harness"]
+
+
+def test_deepseek_ep1_ep4_bitwise_equal_and_rank_combine_differs(deepseek_probe):
+    ep4 = deepseek_probe["slot_ep4"]
+    assert ep4["expert_weight_spec"] == "P('expert', None, None)"
+    assert ep4["expert_weight_local_experts"] == 4  # 16 experts over 4 ranks
+    for ep in (1, 4):
+        run = deepseek_probe[f"slot_ep{ep}"]
+        assert run["elements"] > 0
+        assert (run["differing_vs_ep1"], run["batch_differing"]) == (0, 0), ep
+    rank = deepseek_probe["rank_ep4"]
+    assert rank["differing_vs_ep1"] > 0 and rank["batch_differing"] == 0
+
+
+@pytest.mark.slow
+def test_deepseek_invariance_harness_at_ep4(deepseek_harness):
+    run = deepseek_harness["rl-bitwise ep4"]
+    assert {"packed", "prefix-hit", "rerun"} <= set(run["modes"]) and run["compared_values"] > 0
+    assert run["divergences"] == [], run["table"]
+    control = deepseek_harness["auto ep4 f32"]
+    assert control["compared_values"] > 0 and control["divergences"], control["table"]

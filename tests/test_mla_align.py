@@ -1,13 +1,17 @@
-"""`jengine align` on DeepSeek-V3 (absorbed MLA): HF transformers' own forward under trainer mode
-(its DeepseekV3Attention running the engine's absorbed computation through the twins,
-interop/trainer_mla.py) writes a dump, the engine under --numerics rl-bitwise teacher-forces it,
-and every logprob matches bit for bit; the engine's invariance harness passes on the same
-checkpoint.
+"""`jengine align` on DeepSeek-V3 (absorbed MLA, DeepSeek-MoE layers): HF transformers' own forward
+under trainer mode (its DeepseekV3Attention running the engine's absorbed computation through the
+twins, interop/trainer_mla.py; its DeepseekV3TopkRouter and DeepseekV3Experts the grouped router's
+twin and the slot-order expert path, interop/trainer_moe.py) writes a dump, the engine under
+--numerics rl-bitwise teacher-forces it, and every logprob matches bit for bit; the engine's
+routed-expert export equals HF's router ids under trainer mode; the engine's invariance harness
+passes on the same checkpoint (EP1 here; EP4 in tests/test_expert_parallel.py).
 
 The tiny random checkpoint of interop.testing (q_lora 48, kv_lora 32, rope 16 interleaved with
-YaRN factor 32 and mscale_all_dim 1, nope 16, v 24, two dense layers, vocab 32768). Negative
-controls: HF's stock non-absorbed forward (no trainer mode) does not match, and an MLA leaf that
-declares batch invariance but changes its arithmetic with the row count fails the harness.
+YaRN factor 32 and mscale_all_dim 1, nope 16, v 24; layer 0 dense, layers 1-2 MoE: 16 experts,
+4 groups, top-4, one shared expert, a random non-zero e_score_correction_bias; vocab 32768).
+Negative controls: HF's stock forward (no trainer mode: non-absorbed MLA, HF's own router and
+experts) does not match, and an MLA leaf that declares batch invariance but changes its arithmetic
+with the row count fails the harness.
 """
 
 from __future__ import annotations
@@ -80,20 +84,62 @@ def test_stock_non_absorbed_dump_does_not_match(aligned):
     assert any(l.startswith("seq ") and "MISMATCH at position" in l for l in out), out
 
 
-def test_mla_forward_is_routed_restored_and_differentiable(model_dir):
+def test_mla_and_moe_forwards_are_routed_restored_and_differentiable(model_dir):
     model = load_hf_model(model_dir)
-    attns = [m for m in model.modules() if type(m).__name__ == "DeepseekV3Attention"]
-    assert len(attns) == 2
+    kinds = ("DeepseekV3Attention", "DeepseekV3TopkRouter", "DeepseekV3Experts")
+    routed = [m for m in model.modules() if type(m).__name__ in kinds]
+    assert len(routed) == 3 + 2 + 2
     ids = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79]])
     with trainer_mode.enable(model) as mode:
-        assert all("forward" in vars(m) for m in attns)
+        assert all("forward" in vars(m) for m in routed)
         model(ids).logits.float().square().sum().backward()
-        assert mode.routed["mla_attention"] == 2
+        assert (mode.routed["mla_attention"], mode.routed["router_grouped_topk"],
+                mode.routed["moe_experts"]) == (3, 2, 2)
         assert not mode.fallbacks, mode.summary()
-    assert not any("forward" in vars(m) for m in attns)
-    for m in attns:
-        for p in (m.kv_b_proj.weight, m.kv_a_proj_with_mqa.weight, m.q_a_proj.weight):
-            assert p.grad is not None and bool(p.grad.abs().sum() > 0)
+    assert not any("forward" in vars(m) for m in routed)
+    for m in routed:
+        if type(m).__name__ == "DeepseekV3Attention":
+            params = (m.kv_b_proj.weight, m.kv_a_proj_with_mqa.weight, m.q_a_proj.weight)
+        else:  # the router's weight through the routing weights; the experts' own
+            params = (m.weight,) if hasattr(m, "weight") else (m.gate_up_proj, m.down_proj)
+        for p in params:
+            assert p.grad is not None and bool(p.grad.abs().sum() > 0), type(m).__name__
+
+
+def _hf_router_ids(model_dir, seq, *, trainer: bool):
+    """int32[positions, MoE layers, k]: the ids HF's DeepseekV3TopkRouter picks teacher-forcing
+    `seq`, under trainer mode (the grouped router's torch-leaf twin) or stock."""
+    model = load_hf_model(model_dir)
+    captured = []
+    for layer in model.model.layers[1:]:
+        layer.mlp.gate.register_forward_hook(lambda mod, args, out: captured.append(out[2]))
+    with torch.no_grad():
+        if trainer:
+            with trainer_mode.enable(model):
+                model(torch.tensor(seq)[None])
+        else:
+            model(torch.tensor(seq)[None])
+    return np.stack([c.numpy().astype(np.int32) for c in captured], axis=1)
+
+
+def test_routed_experts_export_equals_trainer_mode_router_ids(aligned, model_dir):
+    """return_routed_experts (the rl-bitwise engine's torch router leaf) vs HF's router under
+    trainer mode on the same sequence: every id, in slot order; layer 0 (dense) exports -1s."""
+    from jengine.engine.io_struct import decode_routed_experts
+
+    eng, _ = aligned
+    prompt = np.random.default_rng(7).integers(0, VOCAB, 13).tolist()
+    out = eng.generate(input_ids=prompt, return_routed_experts=True,
+                       sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+    seq = prompt + out["output_ids"][:-1]
+    ours = decode_routed_experts(out["meta_info"]["routed_experts"], 3, 4)
+    assert ours.shape == (len(seq), 3, 4) and (ours[:, 0] == -1).all()
+    want = _hf_router_ids(model_dir, seq, trainer=True)
+    assert (ours[:, 1:] == want).all(), np.argwhere(ours[:, 1:] != want)[:8]
+    # Negative control: the comparison sees slot order -- stock HF's CPU topk(sorted=False) writes
+    # the same experts in another order.
+    stock = _hf_router_ids(model_dir, seq, trainer=False)
+    assert (np.sort(stock, -1) == np.sort(want, -1)).mean() > 0.5 and (stock != want).any()
 
 
 def _harness(model_dir, **cfg):
@@ -113,7 +159,7 @@ def _assert_passes(results, modes):
 
 
 def test_rl_bitwise_invariance_harness_passes(model_dir):
-    """CI size: alone / packed / rerun / prefix hit / chunked at an odd size / retraction /
+    """CI size, at EP1: alone / packed / rerun / prefix hit / chunked at an odd size / retraction /
     overlap off, T=0."""
     results = _harness(model_dir, max_new_tokens=4, temperatures=(0.0,), chunk_sizes=(7,),
                        retraction_intervals=(-3,))

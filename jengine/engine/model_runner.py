@@ -168,6 +168,9 @@ class ModelRunner:
         """The pool's placement: K/V pages split on kv_heads, like k_proj/v_proj's columns."""
         if self.mesh is None:
             return self._device
+        if self._tp is None and not isinstance(kv_spec.layout, KVPages):
+            # Expert parallelism alone: attention runs whole on every rank, so does its pool.
+            return NamedSharding(self.mesh, PartitionSpec())
         if not isinstance(kv_spec.layout, KVPages):
             raise ValueError(f"mesh {dict(self.mesh.shape)}: the KV pool layout "
                              f"{kv_spec.layout!r} has no placement on it (only K/V pages do)")

@@ -17,7 +17,8 @@ qkv bias, Qwen3's q/k norm, the o_proj bias rule, refused options) is the family
 
 The MoE and MLA fields are declared with their dense defaults (0: no experts, no latent
 attention) so that checks read fields, not probes; Qwen3-MoE sets the MoE ones, DeepSeek-V3
-(jengine/models/deepseek_v3.py) the MLA ones, and its `head_dim` (the rotary width).
+(jengine/models/deepseek_v3.py) the MLA ones, its `head_dim` (the rotary width) and, when it has
+MoE layers, the MoE and correction-bias router ones.
 
 The Hugging Face dict itself is never rewritten.
 """
@@ -90,6 +91,15 @@ class ModelConfig:
     v_head_dim: int = 0
     rope_interleave: bool = False   # rotary dims in interleaved pairs (DeepSeek's rope_interleave)
     first_k_dense_replace: int = 0  # DeepSeek-V3: the first k layers keep a dense MLP
+    # The correction-bias router (DeepSeek-V3's noaux_tc, jengine/models/layers/deepseek_moe.py):
+    # expert groups and how many are kept, the weights' scale, shared experts (each of width
+    # moe_intermediate_size), LongCat-Flash's zero experts, the score function.
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    zero_expert_num: int = 0
+    router_score: str = "softmax"   # "sigmoid" (DeepSeek-V3) or "softmax"
 
     def __post_init__(self) -> None:
         check_vocab_sizes(self.input_vocab_size, self.vocab_size)
@@ -100,7 +110,8 @@ class ModelConfig:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
         for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "kv_lora_rank",
-                     "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+                     "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                     "n_shared_experts", "zero_expert_num"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")

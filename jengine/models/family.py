@@ -13,6 +13,7 @@ run before JAX starts. The body module (flax, the kernel leaves) is imported on 
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -91,6 +92,30 @@ def hf_decoder_name(cfg, path: str) -> str:
     if path == "lm_head.weight":
         return "model.embed_tokens.weight" if cfg.tie_word_embeddings else path
     return f"model.{path}"
+
+
+_EXPERT_PARAM = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
+
+
+def hf_moe_decoder_name(cfg, path: str) -> str:
+    """`hf_decoder_name`, with a layer's stacked expert weights named by their per-expert tensors
+    ("{}" = the expert): `model.layers.{l}.mlp.experts.{e}.gate_proj.weight`, what
+    `save_pretrained` writes and released checkpoints hold (Qwen3-MoE, DeepSeek-V3)."""
+    m = _EXPERT_PARAM.match(path)
+    if m:
+        return f"model.{m.group(1)}.{{}}.{m.group(2)}.weight"
+    return hf_decoder_name(cfg, path)
+
+
+def hf_fused_experts_view(cfg, reader):
+    """`reader` with transformers 5's fused expert tensors (`mlp.experts.gate_up_proj` [E, 2I, H],
+    `mlp.experts.down_proj` [E, H, I]) named per expert, as `hf_moe_decoder_name` reads them
+    (jengine/models/fused_experts.py)."""
+    from jengine.models.fused_experts import per_expert_view
+
+    return per_expert_view(reader, num_experts=cfg.num_experts,
+                           intermediate_size=cfg.moe_intermediate_size,
+                           hidden_size=cfg.hidden_size)
 
 
 _MOE_MLA_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "kv_lora_rank",

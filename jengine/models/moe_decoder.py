@@ -50,8 +50,6 @@ class ModelKernels(dense.ModelKernels):
                  moe: MoEOptions = MoEOptions()) -> "ModelKernels":
         base = dense.ModelKernels.plan_for(dtype=dtype, hardware=hardware, features=features,
                                            head_dim=head_dim)
-        if moe.combine_order not in ("rank", "slot"):
-            raise ValueError(f"moe_combine_order={moe.combine_order!r} must be 'rank' or 'slot'")
         impl = None if moe.router_topk == "auto" else moe.router_topk
         try:
             # The router's logits are widened to f32 whatever the model dtype (HF: softmax in float).
@@ -60,28 +58,35 @@ class ModelKernels(dense.ModelKernels):
         except KernelPlanError as exc:
             raise KernelPlanError(f"--router-topk {moe.router_topk}: no eligible leaf of "
                                   f"moe.router_topk ({exc})") from None
-        backend = moe.backend
-        if backend == "auto":
-            backend = "batch_invariant" if "batch_invariant" in features else "portable"
-        if backend not in ("batch_invariant", "portable"):
-            raise ValueError(f"--moe-backend {moe.backend!r} is not one of auto, batch_invariant, "
-                             "portable")
-        if backend == "portable" and "batch_invariant" in features:
-            raise KernelPlanError("--moe-backend portable: its einsum declares no batch_invariant "
-                                  "feature, which this launch requires")
-        grouped = None
-        if backend == "batch_invariant":
-            grouped = _plan_grouped_gemm(base.gemm, dtype=dtype, hardware=hardware,
-                                         features=features)
         return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
-                   router_topk=router, grouped_gemm=grouped, combine_order=moe.combine_order,
-                   expert_backend=backend)
+                   router_topk=router, **plan_experts(base.gemm, dtype=dtype, hardware=hardware,
+                                                      features=features, moe=moe))
 
     def describe(self) -> dict[str, str]:
         def name(value):
             return value if value is None or isinstance(value, str) else value.leaf.impl
 
         return {f.name: name(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def plan_experts(gemm: KernelPlan, *, dtype, hardware: str, features, moe: MoEOptions) -> dict:
+    """The routed experts' fields of a MoE kernel set (grouped_gemm, combine_order,
+    expert_backend) under the launch's MoE switches; `gemm`: the model's gemm plan."""
+    if moe.combine_order not in ("rank", "slot"):
+        raise ValueError(f"moe_combine_order={moe.combine_order!r} must be 'rank' or 'slot'")
+    backend = moe.backend
+    if backend == "auto":
+        backend = "batch_invariant" if "batch_invariant" in features else "portable"
+    if backend not in ("batch_invariant", "portable"):
+        raise ValueError(f"--moe-backend {moe.backend!r} is not one of auto, batch_invariant, "
+                         "portable")
+    if backend == "portable" and "batch_invariant" in features:
+        raise KernelPlanError("--moe-backend portable: its einsum declares no batch_invariant "
+                              "feature, which this launch requires")
+    grouped = None
+    if backend == "batch_invariant":
+        grouped = _plan_grouped_gemm(gemm, dtype=dtype, hardware=hardware, features=features)
+    return dict(grouped_gemm=grouped, combine_order=moe.combine_order, expert_backend=backend)
 
 
 def _plan_grouped_gemm(gemm: KernelPlan, *, dtype, hardware: str, features) -> KernelPlan:

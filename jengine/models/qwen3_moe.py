@@ -13,13 +13,10 @@ or a `state_dict()` saved as is. `checkpoint_view` reads that layout as the per-
 
 from __future__ import annotations
 
-import re
-
-from jengine.models.family import ModelFamily, ModelProfile, hf_decoder_name, int_field
+from jengine.models.family import (ModelFamily, ModelProfile, hf_fused_experts_view,
+                                   hf_moe_decoder_name, int_field)
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
-
-_EXPERT_PARAM = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
 
 
 def _int_field(d, name: str, default: int, *, minimum: int) -> int:
@@ -56,21 +53,9 @@ def parse_config(d) -> dict:
                 mlp_only_layers=tuple(mlp_only))
 
 
-def checkpoint_name(cfg, path: str) -> str:
-    """HF names; a layer's stacked expert weights name their per-expert tensors ("{}" = expert)."""
-    m = _EXPERT_PARAM.match(path)
-    if m:
-        return f"model.{m.group(1)}.{{}}.{m.group(2)}.weight"
-    return hf_decoder_name(cfg, path)
-
-
-def checkpoint_view(cfg, reader):
-    """`reader` with transformers 5's fused expert tensors named per expert (as checkpoint_name)."""
-    from jengine.models.fused_experts import per_expert_view
-
-    return per_expert_view(reader, num_experts=cfg.num_experts,
-                           intermediate_size=cfg.moe_intermediate_size,
-                           hidden_size=cfg.hidden_size)
+# HF's per-expert tensor names; transformers 5's fused in-memory layout read as them.
+checkpoint_name = hf_moe_decoder_name
+checkpoint_view = hf_fused_experts_view
 
 
 # rl-bitwise: the invariance harness passes at EP4 (tests/test_expert_parallel.py) and HF's forward

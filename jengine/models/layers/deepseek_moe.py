@@ -55,15 +55,20 @@ class ModelKernels(moe_decoder.ModelKernels):
                  moe: MoEOptions = MoEOptions()) -> "ModelKernels":
         base = moe_decoder.ModelKernels.plan_for(dtype=dtype, hardware=hardware, features=features,
                                                  head_dim=head_dim, moe=moe)
-        try:
-            router = plan_router_grouped_topk(moe.router_topk, hardware=hardware, features=features)
-        except KernelPlanError as exc:
-            raise KernelPlanError(f"--router-topk {moe.router_topk}: no eligible leaf of "
-                                  f"moe.router_grouped_topk ({exc})") from None
         return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
-                   router_gemm=plan("linear", "gemm", formats={"f32"}, hardware=hardware,
-                                    features=features),
-                   router_grouped_topk=router)
+                   **plan_router(moe, hardware=hardware, features=features))
+
+
+def plan_router(moe: MoEOptions, *, hardware: str, features) -> dict:
+    """The correction-bias router's fields of a kernel set: its f32 gate GEMM and top-k plans."""
+    try:
+        router = plan_router_grouped_topk(moe.router_topk, hardware=hardware, features=features)
+    except KernelPlanError as exc:
+        raise KernelPlanError(f"--router-topk {moe.router_topk}: no eligible leaf of "
+                              f"moe.router_grouped_topk ({exc})") from None
+    return dict(router_gemm=plan("linear", "gemm", formats={"f32"}, hardware=hardware,
+                                 features=features),
+                router_grouped_topk=router)
 
 
 class DeepseekMoE(SparseMoE):
