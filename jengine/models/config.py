@@ -17,7 +17,8 @@ qkv bias, Qwen3's q/k norm, the o_proj bias rule, refused options) is the family
 
 The MoE and MLA fields are declared with their dense defaults (0: no experts, no latent
 attention) so that checks read fields, not probes; Qwen3-MoE sets the MoE ones, DeepSeek-V3
-(jengine/models/deepseek_v3.py) the MLA ones, and its `head_dim` (the rotary width).
+(jengine/models/deepseek_v3.py) the MLA ones, its `head_dim` (the rotary width) and, when it has
+MoE layers, the MoE and correction-bias router ones.
 
 The Hugging Face dict itself is never rewritten.
 """
@@ -81,6 +82,9 @@ class ModelConfig:
     norm_topk_prob: bool = False    # routing weights divided by their sum
     decoder_sparse_step: int = 1    # every n-th layer is sparse ...
     mlp_only_layers: tuple[int, ...] = ()  # ... except these, which keep a dense MLP
+    # LongCat-Flash's MLA: the q and latent LoRA norm scales sqrt(hidden / rank) exist (where they
+    # are applied is --mla-lora-scale: jengine/models/layers/mla.py).
+    mla_lora_scale: bool = False
     # MLA (0 = plain GQA): latent KV width, query low-rank width, rotary / non-rotary q-k head
     # widths, value head width.
     kv_lora_rank: int = 0
@@ -90,6 +94,15 @@ class ModelConfig:
     v_head_dim: int = 0
     rope_interleave: bool = False   # rotary dims in interleaved pairs (DeepSeek's rope_interleave)
     first_k_dense_replace: int = 0  # DeepSeek-V3: the first k layers keep a dense MLP
+    # The correction-bias router (DeepSeek-V3's noaux_tc, jengine/models/layers/deepseek_moe.py):
+    # expert groups and how many are kept, the weights' scale, shared experts (each of width
+    # moe_intermediate_size), LongCat-Flash's zero experts, the score function.
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    zero_expert_num: int = 0
+    router_score: str = "softmax"   # "sigmoid" (DeepSeek-V3) or "softmax"
 
     def __post_init__(self) -> None:
         check_vocab_sizes(self.input_vocab_size, self.vocab_size)
@@ -100,7 +113,8 @@ class ModelConfig:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
         for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "kv_lora_rank",
-                     "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+                     "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                     "n_shared_experts", "zero_expert_num"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
@@ -151,6 +165,11 @@ class ModelConfig:
         if quantization_config is not None and not isinstance(quantization_config, dict):
             raise ValueError(f"quantization_config must be an object, got {quantization_config!r}")
 
+        def shared(name):
+            # A family may spell a shared field its own way (LongCat-Flash: num_layers,
+            # ffn_hidden_size) and give it in its fields; else config.json's own name.
+            return family_fields.pop(name) if name in family_fields else _required(d, name)
+
         num_key_value_heads = d.get("num_key_value_heads")
         if num_key_value_heads is None:  # older Llama configs: plain multi-head attention
             num_key_value_heads = num_attention_heads
@@ -158,8 +177,8 @@ class ModelConfig:
         return cls(
             architecture=architecture,
             hidden_size=hidden_size,
-            intermediate_size=_required(d, "intermediate_size"),
-            num_hidden_layers=_required(d, "num_hidden_layers"),
+            intermediate_size=shared("intermediate_size"),
+            num_hidden_layers=shared("num_hidden_layers"),
             num_attention_heads=num_attention_heads,
             num_key_value_heads=num_key_value_heads,
             head_dim=head_dim,
