@@ -203,6 +203,10 @@ def plan_launch(resolved: ResolvedLaunch, model_config: Any) -> LaunchPlan:
     if launch.ep_size > 1 and not _is_moe(model_config, launch):
         raise LaunchRefusal(f"--ep-size {launch.ep_size} has no effect on "
                             f"{model_config.architecture}: it splits a MoE model's experts")
+    if launch.ep_size > 1 and model_config.zero_expert_num:
+        raise LaunchRefusal(f"--ep-size {launch.ep_size}: {model_config.architecture} has "
+                            f"zero_expert_num={model_config.zero_expert_num} identity experts, whose "
+                            "residual has no expert-parallel form yet; launch with --ep-size 1")
     eplb = _eplb_options(launch, model_config)
     model = ModelOptions(
         dtype=model_dtype_name(launch.dtype, model_config.torch_dtype),
