@@ -148,7 +148,7 @@ _APPLIES_TO: dict[str, tuple[str, Any]] = {
     "enable_eplb": ("expert-parallel MoE launches (--ep-size > 1)",
                     lambda m, launch: _is_moe(m, launch) and launch.ep_size > 1),
     "mla_lora_scale": ("MLA models with LoRA norm scales (LongCat-Flash)",
-                       lambda m, launch: m.mla_lora_scale),
+                       lambda m, launch: getattr(m, "mla_lora_scale", False)),
     "dsa_slot_order": ("DeepSeek sparse-attention models (none is implemented)",
                        lambda m, launch: False),
     "yarn_ramp_mask_device": ("YaRN rope scaling",
@@ -203,7 +203,7 @@ def plan_launch(resolved: ResolvedLaunch, model_config: Any) -> LaunchPlan:
     if launch.ep_size > 1 and not _is_moe(model_config, launch):
         raise LaunchRefusal(f"--ep-size {launch.ep_size} has no effect on "
                             f"{model_config.architecture}: it splits a MoE model's experts")
-    if launch.ep_size > 1 and model_config.zero_expert_num:
+    if launch.ep_size > 1 and getattr(model_config, "zero_expert_num", 0):
         raise LaunchRefusal(f"--ep-size {launch.ep_size}: {model_config.architecture} has "
                             f"zero_expert_num={model_config.zero_expert_num} identity experts, whose "
                             "residual has no expert-parallel form yet; launch with --ep-size 1")
@@ -220,7 +220,7 @@ def plan_launch(resolved: ResolvedLaunch, model_config: Any) -> LaunchPlan:
                        backend=launch.moe_backend or SWITCH_DEFAULTS["moe_backend"])
         if _is_moe(model_config, launch) else None,
         mla_lora_scale=(launch.mla_lora_scale or SWITCH_DEFAULTS["mla_lora_scale"])
-        if model_config.mla_lora_scale else None)
+        if getattr(model_config, "mla_lora_scale", False) else None)
     max_context = min(launch.context_length or model_config.max_position_embeddings,
                       model_config.max_position_embeddings)
     total_tokens = launch.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS
