@@ -11,6 +11,7 @@ default 0.02 init the activations vanish below bf16's resolution and alignment b
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,14 @@ FAMILY_CONFIGS = {
         rope_parameters={"rope_type": "yarn", "factor": 32.0, "mscale": 1.0,
                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 64,
                          "beta_fast": 32, "beta_slow": 1}),
+    # Two MLA blocks, two MLPs and a shortcut MoE per layer; LoRA norm scales sqrt(64 / 48) and
+    # sqrt(64 / 32); a softmax router over 8 real and 4 zero (identity) experts, 3 per token, with
+    # a non-zero correction bias (make_tiny_hf_model draws it).
+    "LongcatFlashForCausalLM": dict(
+        rope_theta=10000000.0, tie_word_embeddings=False, attention_bias=False,
+        q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24,
+        n_routed_experts=8, zero_expert_num=4, moe_topk=3, expert_ffn_hidden_size=32,
+        routed_scaling_factor=6.0),
 }
 
 
@@ -59,6 +68,10 @@ def _config(architecture: str, eos_token_id: int, pad_token_id: int, vocab_size:
         rope = {**extra.pop("rope_parameters"), "rope_theta": theta}
     if architecture == "DeepseekV3ForCausalLM":
         del dims["num_key_value_heads"], dims["head_dim"]  # MLA: heads alike; head_dim = rope dim
+    if architecture == "LongcatFlashForCausalLM":  # its own names; head_dim = the rope dim
+        del dims["num_key_value_heads"]
+        dims.update(num_layers=dims.pop("num_hidden_layers"),
+                    ffn_hidden_size=dims.pop("intermediate_size"))
     for name in [n for n in extra if n in dims]:  # the family's own size (DeepSeek: 3 layers)
         dims[name] = extra.pop(name)
     if "rope_parameters" in overrides:
@@ -69,7 +82,8 @@ def _config(architecture: str, eos_token_id: int, pad_token_id: int, vocab_size:
     cls = {"LlamaForCausalLM": transformers.LlamaConfig, "Qwen2ForCausalLM": transformers.Qwen2Config,
            "Qwen3ForCausalLM": transformers.Qwen3Config,
            "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
-           "DeepseekV3ForCausalLM": transformers.DeepseekV3Config}[architecture]
+           "DeepseekV3ForCausalLM": transformers.DeepseekV3Config,
+           "LongcatFlashForCausalLM": transformers.LongcatFlashConfig}[architecture]
     return cls(vocab_size=vocab_size, rms_norm_eps=1e-6, rope_parameters=rope, **dims,
                eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=None,
                architectures=[architecture], dtype="bfloat16", **extra)
@@ -86,7 +100,7 @@ def _draw_weights(model, seed: int, weight_std: float | None = None) -> None:
             shape = tuple(p.shape)
             if weight_std is not None and len(shape) >= 2:
                 w = weight_std * rng.standard_normal(shape)
-            elif name.endswith("norm.weight"):
+            elif name.endswith("norm.weight") or re.search(r"norm\.\d+\.weight$", name):
                 w = 1.0 + 0.1 * rng.standard_normal(shape)
             elif name.endswith("embed_tokens.weight"):
                 w = 0.25 * rng.standard_normal(shape)

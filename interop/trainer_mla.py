@@ -18,6 +18,11 @@ module the engine's forward:
                                     leaf's core on contiguous latents, with HF's own `scaling`
   out_h = out_latent_h @ W_UV_h     one mm per head -> the GEMM twin; then HF's o_proj
 
+LongCat-Flash's `LongcatFlashMLA` runs the same forward with its LoRA norm scales where HF puts
+them: q times mla_scale_q_lora after q_b_proj, the latent times mla_scale_kv_lora after
+kv_a_layernorm (a bf16 tensor times a Python float: an f32 product rounded once), which is the
+engine's `--mla-lora-scale runtime` (what rl-bitwise pins).
+
 Every call is a plain torch op or an autograd-wrapped twin (interop/twin_autograd.py), so a loss
 still differentiates it. Scope as trainer mode's: whole unpadded causal sequences, no KV cache
 reuse (a cache is filled as HF fills it, but a forward over a non-empty cache is refused).
@@ -34,7 +39,9 @@ from interop.twin_autograd import twin_mla_attention
 # HF attention modules (by class name) that run MLA with DeepseekV3Attention's attributes
 # (q_lora_rank, q_a_proj / q_a_layernorm / q_b_proj or q_proj, kv_a_proj_with_mqa, kv_a_layernorm,
 # kv_b_proj, o_proj, scaling, config.rope_interleave).
-MLA_ATTENTION_MODULES = ("DeepseekV3Attention",)
+# LongcatFlashMLA adds the LoRA norm scales (mla_scale_q_lora, mla_scale_kv_lora) and always
+# interleaves its rotary pairs (its config has no rope_interleave).
+MLA_ATTENTION_MODULES = ("DeepseekV3Attention", "LongcatFlashMLA")
 
 
 def route_mla_attention(mode, model, restore: list, unset) -> int:
@@ -54,7 +61,7 @@ def _rope(attn):
     import sys
 
     modeling = sys.modules[type(attn).__module__]
-    if attn.config.rope_interleave:
+    if getattr(attn.config, "rope_interleave", True):
         return modeling.apply_rotary_pos_emb_interleave
     return modeling.apply_rotary_pos_emb
 
@@ -75,6 +82,9 @@ def absorbed_forward(mode, attn, hidden_states, position_embeddings, attention_m
     q_nope, q_rot = torch.split(q, [nope, rope], dim=-1)
     c, k_rot = torch.split(attn.kv_a_proj_with_mqa(hidden_states), [r, rope], dim=-1)
     c = attn.kv_a_layernorm(c)
+    if hasattr(attn, "mla_scale_q_lora"):  # LongCat: HF's runtime LoRA scales, in the model dtype
+        q_nope, q_rot = q_nope * attn.mla_scale_q_lora, q_rot * attn.mla_scale_q_lora
+        c = c * attn.mla_scale_kv_lora      # the latent, not the rotary key
     cos, sin = position_embeddings
     q_rot, k_rot = _rope(attn)(q_rot, k_rot.view(b, 1, s, rope), cos, sin)
     if cache is not None:

@@ -9,6 +9,9 @@ Routers (by class name), each an instance ``forward`` removed on leaving trainer
   group-limited ``topk(sorted=False)`` -> unbiased weights, norm, scale): the f32 gate GEMM as HF
   writes it, then the ("moe", "router_grouped_topk") leaf's twin (its torch leaf: CUDA's
   ``sorted=False`` write order and row-sum order).
+* ``SOFTMAX_BIAS_ROUTERS`` (``LongcatFlashTopkRouter``: f32 classifier GEMM -> softmax over the
+  real and zero experts -> + correction bias -> ``topk(sorted=False)`` -> unbiased weights times
+  routed_scaling_factor, no normalisation): the same leaf's twin with score="softmax", one group.
 
 Experts: the forward of every ``SLOT_ORDER_EXPERTS`` module (fused SwiGLU experts, gate_up_proj
 [E, 2I, H], down_proj [E, H, I], called as experts(hidden [T, H], top_k_index [T, k],
@@ -18,6 +21,11 @@ top_k_weights [T, k])) is replaced by the engine's expert path and slot-order co
 A DeepSeek-V3 MoE block then computes ``experts(...) + shared_experts(x)`` with its own torch ops:
 the shared SwiGLU's GEMMs and SiLU are routed aten ops, and the add is one bf16 rounding, as the
 engine's `DeepseekMoE` does (jengine/models/layers/deepseek_moe.py).
+
+Zero experts (``LongcatFlashExperts``: ids >= num_routed_experts are identities): such a slot's term
+is x * weight (the weight rounded to the model dtype first, as the real experts' is), rounded to the
+model dtype, in its slot of the same f32 slot-order fold -- the engine's
+``SparseMoE.combine(identity=...)``. HF instead adds x * f32 weight in ascending expert id in bf16.
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ from interop.twins import TwinError
 
 TORCH_TOPK_ROUTERS = ("Qwen3MoeTopKRouter",)
 GROUPED_ROUTERS = ("DeepseekV3TopkRouter",)
-SLOT_ORDER_EXPERTS = ("Qwen3MoeExperts", "DeepseekV3Experts")
+SOFTMAX_BIAS_ROUTERS = ("LongcatFlashTopkRouter",)
+SLOT_ORDER_EXPERTS = ("Qwen3MoeExperts", "DeepseekV3Experts", "LongcatFlashExperts")
 UNSET = object()  # a restore entry whose attribute the module did not have (deleted on restore)
 
 
@@ -39,7 +48,8 @@ def route_routers(mode, model) -> int:
     """Give every router module of ``model`` the forward that runs its leaf's twin; returns how
     many. ``mode``: the active TrainerMode (its twin table, counters and restore list)."""
     forwards = {**{name: _topk_router_forward for name in TORCH_TOPK_ROUTERS},
-                **{name: _grouped_router_forward for name in GROUPED_ROUTERS}}
+                **{name: _grouped_router_forward for name in GROUPED_ROUTERS},
+                **{name: _softmax_bias_router_forward for name in SOFTMAX_BIAS_ROUTERS}}
     return _replace_forwards(mode, model, forwards)
 
 
@@ -96,6 +106,25 @@ def _grouped_router_forward(mode, router, hidden_states):
     return router_logits, weights, ids
 
 
+def _softmax_bias_router_forward(mode, router, hidden_states):
+    """LongcatFlashTopkRouter.forward (transformers 5.24) with everything after the f32 classifier
+    GEMM replaced by the router_grouped_topk twin (softmax, one group, no normalisation):
+    -> (router_logits f32, routing weights f32, expert ids int64; ids >= n_routed_experts of the
+    real ones are zero experts)."""
+    if router.classifier.bias is not None:
+        raise TwinError("trainer mode: LongcatFlashTopkRouter with router_bias has no engine "
+                        "form (the engine's router GEMM has no bias)")
+    hidden_states = hidden_states.view(-1, router.hidden_dim)
+    router_logits = torch.nn.functional.linear(hidden_states.type(torch.float32),
+                                               router.classifier.weight.type(torch.float32))
+    ids, weights = twin_router_grouped_topk(
+        mode.table.router_grouped_topk, router_logits, router.e_score_correction_bias,
+        k=router.top_k, n_group=1, topk_group=1, norm_topk_prob=False,
+        routed_scaling_factor=float(router.routed_scaling_factor), score="softmax")
+    mode.routed["router_grouped_topk"] += 1
+    return router_logits, weights, ids
+
+
 def experts_forward(mode, experts, hidden_states, top_k_index, top_k_weights):
     """The engine's expert path (jengine/models/layers/moe.py) in torch ops trainer mode routes.
 
@@ -110,11 +139,16 @@ def experts_forward(mode, experts, hidden_states, top_k_index, top_k_weights):
     import torch.nn.functional as F
 
     tokens, k = top_k_index.shape
-    inter = experts.intermediate_dim
+    inter = getattr(experts, "intermediate_dim", None) or experts.intermediate_size
+    real = getattr(experts, "num_routed_experts", None)  # LongCat: the ids past it are identities
     slots = hidden_states.new_zeros(tokens, k, hidden_states.shape[-1])
     for e in torch.unique(top_k_index).tolist():
         token_idx, slot = torch.where(top_k_index == e)
         x = hidden_states[token_idx]
+        if real is not None and e >= real:  # a zero expert: x * weight, one rounding
+            slots = slots.index_put((token_idx, slot),
+                                    x * top_k_weights[token_idx, slot, None].to(x.dtype))
+            continue
         gate_up, down = experts.gate_up_proj[e], experts.down_proj[e]
         h = F.silu(F.linear(x, gate_up[:inter])) * F.linear(x, gate_up[inter:])
         y = F.linear(h * top_k_weights[token_idx, slot, None].to(h.dtype), down)

@@ -45,6 +45,8 @@ class ModelOptions:
     rope_frequency_device: str     # --yarn-frequency-device: where RoPE frequencies are computed
     rope_ramp_device: str          # --yarn-ramp-mask-device: where the YaRN ramp is built
     moe: MoEOptions | None = None  # --router-topk, --moe-combine-order (MoE models only)
+    # --mla-lora-scale: "runtime" / "folded" (models with MLA LoRA norm scales only, else None)
+    mla_lora_scale: str | None = None
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,8 @@ _APPLIES_TO: dict[str, tuple[str, Any]] = {
     "moe_backend": ("MoE models", _is_moe),
     "enable_eplb": ("expert-parallel MoE launches (--ep-size > 1)",
                     lambda m, launch: _is_moe(m, launch) and launch.ep_size > 1),
-    "mla_lora_scale": ("MLA models (kv_lora_rank > 0)", lambda m, launch: m.kv_lora_rank > 0),
+    "mla_lora_scale": ("MLA models with LoRA norm scales (LongCat-Flash)",
+                       lambda m, launch: getattr(m, "mla_lora_scale", False)),
     "dsa_slot_order": ("DeepSeek sparse-attention models (none is implemented)",
                        lambda m, launch: False),
     "yarn_ramp_mask_device": ("YaRN rope scaling",
@@ -200,6 +203,10 @@ def plan_launch(resolved: ResolvedLaunch, model_config: Any) -> LaunchPlan:
     if launch.ep_size > 1 and not _is_moe(model_config, launch):
         raise LaunchRefusal(f"--ep-size {launch.ep_size} has no effect on "
                             f"{model_config.architecture}: it splits a MoE model's experts")
+    if launch.ep_size > 1 and getattr(model_config, "zero_expert_num", 0):
+        raise LaunchRefusal(f"--ep-size {launch.ep_size}: {model_config.architecture} has "
+                            f"zero_expert_num={model_config.zero_expert_num} identity experts, whose "
+                            "residual has no expert-parallel form yet; launch with --ep-size 1")
     eplb = _eplb_options(launch, model_config)
     model = ModelOptions(
         dtype=model_dtype_name(launch.dtype, model_config.torch_dtype),
@@ -211,7 +218,9 @@ def plan_launch(resolved: ResolvedLaunch, model_config: Any) -> LaunchPlan:
                        combine_order=launch.moe_combine_order
                        or SWITCH_DEFAULTS["moe_combine_order"],
                        backend=launch.moe_backend or SWITCH_DEFAULTS["moe_backend"])
-        if _is_moe(model_config, launch) else None)
+        if _is_moe(model_config, launch) else None,
+        mla_lora_scale=(launch.mla_lora_scale or SWITCH_DEFAULTS["mla_lora_scale"])
+        if getattr(model_config, "mla_lora_scale", False) else None)
     max_context = min(launch.context_length or model_config.max_position_embeddings,
                       model_config.max_position_embeddings)
     total_tokens = launch.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS

@@ -381,10 +381,12 @@ def test_check_model_reads_the_real_model_config(llama_verified):
 def test_in_tree_profiles_declare_rl_bitwise_only_where_harnessed():
     # A profile lists rl-bitwise in the change that adds its passing harnesses (invariance + align).
     assert set(PROFILES) == {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                             "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"}
+                             "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM",
+                             "LongcatFlashForCausalLM"}
     declared = {a for a, p in PROFILES.items() if "rl-bitwise" in p.numerics_envelopes}
     assert declared == {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                        "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"}  # tests/test_mla_align.py
+                        "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM",  # tests/test_mla_align.py
+                        "LongcatFlashForCausalLM"}  # tests/test_longcat_flash.py
     with override_profile("LlamaForCausalLM", numerics_envelopes=set()) as p:
         assert get_profile("LlamaForCausalLM") is p and "rl-bitwise" not in p.numerics_envelopes
     assert "rl-bitwise" in get_profile("LlamaForCausalLM").numerics_envelopes

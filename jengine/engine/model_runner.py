@@ -209,6 +209,8 @@ class ModelRunner:
             tp["expert_parallel"] = self._ep
         if self.expert_placement is not None:
             tp["expert_placement"] = self.expert_placement
+        if o.mla_lora_scale is not None:  # only a body with MLA LoRA scales takes it
+            tp["mla_lora_scale"] = o.mla_lora_scale
         return self.family.build(self.model_config,
                                  weight_source(weights, placement=self._placement),
                                  dtype=self.dtype, kernels=self.kernels,

@@ -82,6 +82,9 @@ class ModelConfig:
     norm_topk_prob: bool = False    # routing weights divided by their sum
     decoder_sparse_step: int = 1    # every n-th layer is sparse ...
     mlp_only_layers: tuple[int, ...] = ()  # ... except these, which keep a dense MLP
+    # LongCat-Flash's MLA: the q and latent LoRA norm scales sqrt(hidden / rank) exist (where they
+    # are applied is --mla-lora-scale: jengine/models/layers/mla.py).
+    mla_lora_scale: bool = False
     # MLA (0 = plain GQA): latent KV width, query low-rank width, rotary / non-rotary q-k head
     # widths, value head width.
     kv_lora_rank: int = 0
@@ -162,6 +165,11 @@ class ModelConfig:
         if quantization_config is not None and not isinstance(quantization_config, dict):
             raise ValueError(f"quantization_config must be an object, got {quantization_config!r}")
 
+        def shared(name):
+            # A family may spell a shared field its own way (LongCat-Flash: num_layers,
+            # ffn_hidden_size) and give it in its fields; else config.json's own name.
+            return family_fields.pop(name) if name in family_fields else _required(d, name)
+
         num_key_value_heads = d.get("num_key_value_heads")
         if num_key_value_heads is None:  # older Llama configs: plain multi-head attention
             num_key_value_heads = num_attention_heads
@@ -169,8 +177,8 @@ class ModelConfig:
         return cls(
             architecture=architecture,
             hidden_size=hidden_size,
-            intermediate_size=_required(d, "intermediate_size"),
-            num_hidden_layers=_required(d, "num_hidden_layers"),
+            intermediate_size=shared("intermediate_size"),
+            num_hidden_layers=shared("num_hidden_layers"),
             num_attention_heads=num_attention_heads,
             num_key_value_heads=num_key_value_heads,
             head_dim=head_dim,

@@ -12,7 +12,8 @@ from typing import Any, Mapping
 from jengine.models.family import ModelFamily
 
 FAMILY_MODULES = ("jengine.models.llama", "jengine.models.qwen2", "jengine.models.qwen3",
-                  "jengine.models.qwen3_moe", "jengine.models.deepseek_v3")
+                  "jengine.models.qwen3_moe", "jengine.models.deepseek_v3",
+                  "jengine.models.longcat_flash")
 
 _FAMILIES: dict[str, ModelFamily] = {}
 

@@ -18,6 +18,21 @@ The absorbed form is what the engine caches (kv_lora_rank + qk_rope_head_dim val
 instead of heads x (qk_head_dim + v_head_dim)) and what trainer mode runs in HF's model
 (interop/trainer_mla.py), so teacher-forced logprobs agree by construction.
 
+LongCat-Flash's MLA (`cfg.mla_lora_scale`) multiplies by two LoRA norm scales, HF's
+`mla_scale_q_lora` = sqrt(hidden / q_lora_rank) and `mla_scale_kv_lora` = sqrt(hidden / kv_lora_rank)
+(Python floats). Where they go is `--mla-lora-scale` (`lora_scale`):
+
+  runtime   q = q * s_q after q_b_proj (before the split and rope), c = c * s_kv after kv_a_layernorm
+            (the rotary key unscaled): each an f32 product rounded to the model dtype, which is what
+            torch's bf16 tensor * Python float computes -- HF's LongcatFlashMLA, so the trainer's
+            bits (rl-bitwise pins it);
+  folded    q_a_layernorm.weight * s_q and kv_a_layernorm.weight * s_kv, each rounded to the model
+            dtype once, as SGLang folds them at load: one rounding fewer on the activations, other
+            bits. The held weights stay HF's (named_parameters, weight updates, Orbax see the
+            checkpoint's); the folded norm weight is formed from them in the forward, a [rank]
+            vector product with exactly the bits a fold at load gives, so a partial weight update
+            can never fold a weight twice.
+
 Every GEMM is the model's planned gemm leaf, each head's its own call (a head's bits never depend on
 how many heads share a launch); the two rounding boundaries around the attention leaf (q_latent,
 out_lat in the model dtype) are the ones the trainer's twins see.
@@ -53,6 +68,19 @@ def softmax_scale(cfg) -> float:
     return scale
 
 
+LORA_SCALES = ("runtime", "folded")
+
+
+def lora_scales(cfg) -> tuple[float, float]:
+    """HF's (mla_scale_q_lora, mla_scale_kv_lora): sqrt(hidden / rank) as Python floats."""
+    return ((cfg.hidden_size / cfg.q_lora_rank) ** 0.5, (cfg.hidden_size / cfg.kv_lora_rank) ** 0.5)
+
+
+def scaled(x, scale: float, dtype):
+    """x * scale as an f32 product rounded to `dtype`: torch's `bf16 tensor * python float`."""
+    return (x.astype(jnp.float32) * jnp.float32(scale)).astype(dtype)
+
+
 class MLAttention(nnx.Module):
     @staticmethod
     def specs(cfg, *, dtype) -> dict[str, dict]:
@@ -81,7 +109,18 @@ class MLAttention(nnx.Module):
     def kv_pages(cfg) -> LatentPages:
         return LatentPages(width=cfg.kv_lora_rank + cfg.qk_rope_head_dim)
 
-    def __init__(self, cfg, specs: dict, source):
+    def __init__(self, cfg, specs: dict, source, *, lora_scale: str | None = None):
+        """lora_scale: --mla-lora-scale for a model with LoRA norm scales (cfg.mla_lora_scale;
+        required then, refused otherwise)."""
+        if bool(cfg.mla_lora_scale) != (lora_scale is not None):
+            raise ValueError(f"{cfg.architecture}: mla_lora_scale={lora_scale!r} but the config "
+                             f"{'has' if cfg.mla_lora_scale else 'has no'} MLA LoRA norm scales")
+        if lora_scale is not None and lora_scale not in LORA_SCALES:
+            raise ValueError(f"mla_lora_scale={lora_scale!r} is not one of {LORA_SCALES}")
+        if lora_scale is not None and not cfg.q_lora_rank:
+            raise ValueError(f"{cfg.architecture}: MLA LoRA norm scales need q_lora_rank > 0")
+        self.lora_scale = lora_scale
+        self.q_scale, self.kv_scale = lora_scales(cfg) if lora_scale else (None, None)
         self.num_heads, self.kv_lora_rank = cfg.num_attention_heads, cfg.kv_lora_rank
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.scale = softmax_scale(cfg)
@@ -109,14 +148,16 @@ class MLAttention(nnx.Module):
         if self.q_lora:
             # q_a_proj and kv_a_proj_with_mqa read one x: one grouped GEMM, each its own bits.
             q_a, ckv = linears(kern, x, (self.q_a_proj, self.kv_a_proj_with_mqa), out_dtype=dtype)
-            q_a = self.q_a_layernorm(kern, q_a, eps=LATENT_NORM_EPS)
+            q_a = self._latent_norm(kern, self.q_a_layernorm, q_a, self.q_scale, dtype)
             q = self.q_b_proj(kern, q_a, out_dtype=dtype)
         else:
             q = self.q_proj(kern, x, out_dtype=dtype)
             ckv = self.kv_a_proj_with_mqa(kern, x, out_dtype=dtype)
+        c = self._latent_norm(kern, self.kv_a_layernorm, ckv[:, :r], self.kv_scale, dtype)
+        if self.lora_scale == "runtime":
+            q, c = scaled(q, self.q_scale, dtype), scaled(c, self.kv_scale, dtype)
         q = q.reshape(t, n, self.nope + self.rope)
         q_nope, q_rope = q[..., :self.nope], self.rope_fn(q[..., self.nope:], cos, sin)
-        c = self.kv_a_layernorm(kern, ckv[:, :r], eps=LATENT_NORM_EPS)
         k_rope = self.rope_fn(ckv[:, None, r:], cos, sin)[:, 0]
         (pages,) = kv
         latent = jnp.concatenate([c, k_rope], axis=-1).astype(pages.dtype)
@@ -131,6 +172,13 @@ class MLAttention(nnx.Module):
         o = jnp.concatenate([kern.gemm(o_latent[:, h], w_uv[h], None, out_dtype=dtype)
                              for h in range(n)], axis=-1)  # [T, n * v_head_dim]
         return self.o_proj(kern, o, out_dtype=dtype), (pages,)
+
+    def _latent_norm(self, kern, norm, x, scale, dtype):
+        """q_a_layernorm / kv_a_layernorm; under --mla-lora-scale folded, with the scale folded
+        into the weight (module docstring)."""
+        if self.lora_scale != "folded":
+            return norm(kern, x, eps=LATENT_NORM_EPS)
+        return kern.rmsnorm(x, scaled(norm.weight[...], scale, dtype), eps=LATENT_NORM_EPS)
 
     def absorbed_weights(self):
         """kv_b_proj split per head: W_UK [n, nope, r] (q_nope -> latent) and W_UV [n, r, v]
