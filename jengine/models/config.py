@@ -103,6 +103,10 @@ class ModelConfig:
     n_shared_experts: int = 0
     zero_expert_num: int = 0
     router_score: str = "softmax"   # "sigmoid" (DeepSeek-V3) or "softmax"
+    # Whether HF keeps the router's weight and correction bias in f32 when the model loads in bf16:
+    # DeepSeek-V3 does (_keep_in_fp32_modules_strict); LongCat-Flash's list is the non-strict one,
+    # which bf16 loads ignore, so its router is rounded to the model dtype like every weight.
+    router_in_fp32: bool = True
 
     def __post_init__(self) -> None:
         check_vocab_sizes(self.input_vocab_size, self.vocab_size)

@@ -69,7 +69,7 @@ def parse_config(d) -> dict:
                 moe_intermediate_size=_int(d, "expert_ffn_hidden_size"),
                 norm_topk_prob=False, n_group=1, topk_group=1,
                 routed_scaling_factor=float(scale), n_shared_experts=0, zero_expert_num=zero,
-                router_score="softmax",
+                router_score="softmax", router_in_fp32=False,
                 head_dim=rope)  # the rotary tables' width
 
 

@@ -76,10 +76,12 @@ class DeepseekMoE(SparseMoE):
     def specs(cfg, *, dtype) -> dict[str, dict]:
         h, scored = cfg.hidden_size, cfg.num_experts + cfg.zero_expert_num
         specs = SparseMoE.specs(cfg, dtype=dtype)
-        # The router stays f32 whatever the model dtype (HF keeps gate.weight and the bias in f32).
+        # The router is held as HF holds it after a load in the model dtype: f32 for DeepSeek-V3,
+        # the model dtype for LongCat-Flash (ModelConfig.router_in_fp32); it computes in f32.
+        router_dtype = jnp.float32 if cfg.router_in_fp32 else dtype
         specs["gate"] = {
-            **Linear.specs(h, scored, ("embed", "router_expert"), bias=False, dtype=jnp.float32),
-            "e_score_correction_bias": ParamSpec((scored,), jnp.float32, ("router_expert",))}
+            **Linear.specs(h, scored, ("embed", "router_expert"), bias=False, dtype=router_dtype),
+            "e_score_correction_bias": ParamSpec((scored,), router_dtype, ("router_expert",))}
         if cfg.n_shared_experts:
             width = cfg.n_shared_experts * cfg.moe_intermediate_size
             specs["shared_experts"] = SwiGLU.specs(
@@ -121,9 +123,10 @@ class DeepseekMoE(SparseMoE):
     def route(self, kern, x, *, dtype):
         """(router ids int32[T, k] over the scored experts, zero experts included; routing weights
         [T, k] in `dtype`) for the rows of x."""
-        logits = kern.router_gemm(x.astype(jnp.float32), self.gate.weight[...], None,
-                                  out_dtype=jnp.float32)
-        ids, weights = kern.router_grouped_topk(logits, self.gate.e_score_correction_bias[...],
+        logits = kern.router_gemm(x.astype(jnp.float32), self.gate.weight[...].astype(jnp.float32),
+                                  None, out_dtype=jnp.float32)
+        bias = self.gate.e_score_correction_bias[...].astype(jnp.float32)
+        ids, weights = kern.router_grouped_topk(logits, bias,
                                                 k=self.top_k, **self.routing)
         return ids, weights.astype(dtype)
 
