@@ -39,7 +39,8 @@ def _cfg(**overrides):
     """The config fields DeepseekMoE reads (what the DeepSeek-V3 family's ModelConfig carries)."""
     fields = dict(hidden_size=H, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=I,
                   norm_topk_prob=True, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-                  n_shared_experts=SHARED, zero_expert_num=0, router_score="sigmoid")
+                  n_shared_experts=SHARED, zero_expert_num=0, router_score="sigmoid",
+                  router_in_fp32=True)
     return SimpleNamespace(**{**fields, **overrides})
 
 
