@@ -163,7 +163,8 @@ def test_registry_lists_the_families_and_refuses_a_second_registration():
     from jengine.models import registry
 
     assert SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                                       "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
+                                       "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM",
+                                       "LongcatFlashForCausalLM")
     with pytest.raises(ValueError, match="unsupported model architecture 'GPT2LMHeadModel'; "
                                          "supported: LlamaForCausalLM, Qwen2ForCausalLM, "
                                          "Qwen3ForCausalLM"):
