@@ -72,8 +72,8 @@ def test_server_info_reports_the_layout_and_invariances(topology):
 
 
 @pytest.mark.parametrize("name, modes", [
-    ("rl-bitwise tp2 off", ["chunk-7", "packed", "prefix-hit", "rerun", "retract-3"]),
-    ("rl-bitwise tp4 all", ["packed", "prefix-hit", "rerun"])])
+    ("rl-bitwise tp2 off", ["chunk-7", "overlap-off", "packed", "prefix-hit", "rerun", "retract-3"]),
+    ("rl-bitwise tp4 all", ["overlap-off", "packed", "prefix-hit", "rerun"])])
 def test_invariance_harness_passes_at_tp(harness, name, modes):
     """packed with random co-batches, rerun, prefix hit off a page boundary (and at TP2 chunked
     prefill 7 and forced retraction mid-prefill, -3), greedy and T=1: bitwise equal to the request
