@@ -28,7 +28,7 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "LongcatFlashForCausalLM"):
     pytest.skip("the installed transformers has no LongcatFlashForCausalLM", allow_module_level=True)
 
-from interop import trainer_dump, trainer_mode  # noqa: E402
+from interop import trainer_mode  # noqa: E402
 from interop.align import run_alignment  # noqa: E402
 from interop.dumps import read_dump  # noqa: E402
 from interop.testing import make_tiny_hf_model  # noqa: E402
@@ -39,7 +39,7 @@ from jengine.models.kv_cache import LatentPages  # noqa: E402
 from tests.bits import float_bits  # noqa: E402
 from tests.test_deepseek_v3 import _runner  # noqa: E402
 from tests.test_interop_align import _engine, _lines  # noqa: E402
-from tests.test_mla_align import _assert_passes, _harness  # noqa: E402
+from tests.test_mla_align import _assert_passes, _dump, _harness  # noqa: E402
 from tests.test_models_hf import _greedy, _prefill_logits, hf_greedy  # noqa: E402
 
 ARCH = "LongcatFlashForCausalLM"
@@ -135,19 +135,6 @@ def test_rl_bitwise_pins_runtime(model_dir, loaded):
     for given in ({}, {"mla_lora_scale": "folded"}):
         runner = _runner(model_dir, loaded, numerics="rl-bitwise", **given)
         assert runner.options.mla_lora_scale == "runtime"
-
-
-def _dump(workdir, model_dir, name: str, *extra):
-    rng = np.random.default_rng(11)
-    lines = [{"ids": rng.integers(0, VOCAB, 19).tolist()},
-             {"prompt_ids": rng.integers(0, VOCAB, 17).tolist(),
-              "response_ids": rng.integers(0, VOCAB, 23).tolist()}]
-    inputs = workdir / "in.jsonl"
-    inputs.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    out = workdir / name
-    assert trainer_dump.main(["--hf-model", str(model_dir), "--input", str(inputs), "--out",
-                              str(out), *extra]) == 0
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ is refused rather than served as a different model.
 from __future__ import annotations
 
 from jengine.models.family import (ModelFamily, ModelProfile, hf_fused_experts_view,
-                                   hf_moe_decoder_name, int_field)
+                                   hf_moe_decoder_name, int_field, require_silu)
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 
@@ -23,9 +23,7 @@ def _positive_int(d, name: str, default=None) -> int:
 
 
 def parse_config(d) -> dict:
-    hidden_act = d.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise ValueError(f"hidden_act={hidden_act!r} is not supported (supported: 'silu')")
+    require_silu(d)
     q_lora_rank = d.get("q_lora_rank")
     if q_lora_rank is not None:
         q_lora_rank = _positive_int(d, "q_lora_rank")

@@ -131,8 +131,7 @@ class DenseDecoder(nnx.Module):
         self.param_paths = tuple(specs)
         tree = _nest(specs)
         self.embed_tokens = Embedding(tree["embed_tokens"], source)
-        self.layers = nnx.List([DecoderLayer(cfg, tree["layers"][str(i)], source,
-                                             self.mlp_for(cfg, i), self.attention)
+        self.layers = nnx.List([self.make_layer(cfg, tree["layers"][str(i)], source, i)
                                 for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(tree["norm"], source)
         self.lm_head = LMHead(tree["lm_head"], source)
@@ -141,6 +140,10 @@ class DenseDecoder(nnx.Module):
                                frequency_device=rope_frequency_device, ramp_device=rope_ramp_device)
         self.rope_cos = nnx.Variable(cos)
         self.rope_sin = nnx.Variable(sin)
+
+    def make_layer(self, cfg, specs: dict, source, layer: int):
+        """Decoder layer `layer` of this body (a body with another layer structure overrides it)."""
+        return DecoderLayer(cfg, specs, source, self.mlp_for(cfg, layer), self.attention)
 
     def named_parameters(self) -> dict:
         """path -> the parameter's value (as the forward reads it), in declaration order."""

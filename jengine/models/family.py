@@ -122,13 +122,18 @@ _MOE_MLA_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "kv_lor
                  "q_lora_rank")
 
 
+def require_silu(d: Mapping[str, Any]) -> None:
+    """Every body's MLPs are SwiGLU: refuse another activation rather than compute the wrong one."""
+    hidden_act = d.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ValueError(f"hidden_act={hidden_act!r} is not supported (supported: 'silu')")
+
+
 def dense_config_rules(d: Mapping[str, Any], architecture: str) -> None:
     """Options a dense family's config may carry but the dense body does not implement: refuse,
     don't ignore. MoE/MLA keys belong to other families; read as dense, such a checkpoint would be
     served as a different model."""
-    hidden_act = d.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise ValueError(f"hidden_act={hidden_act!r} is not supported (supported: 'silu')")
+    require_silu(d)
     if d.get("mlp_bias"):
         raise ValueError(f"mlp_bias={d.get('mlp_bias')!r} is not supported for {architecture}")
     if d.get("use_sliding_window"):

@@ -41,7 +41,6 @@ from jengine.models.layers.mla import MLAttention
 from jengine.models.layers.mlp import SwiGLU
 from jengine.models.layers.norm import RMSNorm
 from jengine.models.layers.param import ParamSpec
-from jengine.models.layers.rope import rope_tables
 from pallas_kernels.registry import KernelPlan
 
 SUBLAYERS = 2  # attention blocks (and dense MLPs) per decoder layer
@@ -118,23 +117,14 @@ class LongcatDecoder(dense.DenseDecoder):
             raise ValueError(f"{cfg.architecture}: expert parallelism is not implemented (the zero "
                              "experts' identity residual has no expert-parallel form); launch "
                              "with --ep-size 1")
-        self.cfg, self.tp = cfg, None
-        self.dtype = jnp.dtype(dtype)
-        self.kernels = kernels
-        self.unfused_norm = layer_boundary_norm == "unfused"
-        self.param_paths = tuple(specs)
-        tree = dense._nest(specs)
-        self.embed_tokens = Embedding(tree["embed_tokens"], source)
-        self.layers = nnx.List([LongcatDecoderLayer(cfg, tree["layers"][str(i)], source,
-                                                    lora_scale=mla_lora_scale)
-                                for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(tree["norm"], source)
-        self.lm_head = LMHead(tree["lm_head"], source)
-        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
-                               cfg.max_position_embeddings, self.dtype,
-                               frequency_device=rope_frequency_device, ramp_device=rope_ramp_device)
-        self.rope_cos = nnx.Variable(cos)
-        self.rope_sin = nnx.Variable(sin)
+        self.mla_lora_scale = mla_lora_scale
+        super().__init__(cfg, specs, source, dtype=dtype, kernels=kernels,
+                         layer_boundary_norm=layer_boundary_norm,
+                         rope_frequency_device=rope_frequency_device,
+                         rope_ramp_device=rope_ramp_device)
+
+    def make_layer(self, cfg, specs: dict, source, layer: int):
+        return LongcatDecoderLayer(cfg, specs, source, lora_scale=self.mla_lora_scale)
 
     @property
     def routing_shape(self) -> tuple[int, int]:

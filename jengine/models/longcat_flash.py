@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import re
 
-from jengine.models.family import ModelFamily, ModelProfile, hf_decoder_name, int_field
+from jengine.models.family import (ModelFamily, ModelProfile, hf_decoder_name, int_field,
+                                   require_silu)
 
 ARCHITECTURE = "LongcatFlashForCausalLM"
 
@@ -29,9 +30,7 @@ def _int(d, name: str, default=None, *, minimum: int = 1) -> int:
 
 
 def parse_config(d) -> dict:
-    hidden_act = d.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise ValueError(f"hidden_act={hidden_act!r} is not supported (supported: 'silu')")
+    require_silu(d)
     if d.get("router_bias"):
         raise ValueError(f"router_bias={d['router_bias']!r} is not supported for {ARCHITECTURE} "
                          "(the engine's router GEMM has no bias)")

@@ -14,7 +14,7 @@ or a `state_dict()` saved as is. `checkpoint_view` reads that layout as the per-
 from __future__ import annotations
 
 from jengine.models.family import (ModelFamily, ModelProfile, hf_fused_experts_view,
-                                   hf_moe_decoder_name, int_field)
+                                   hf_moe_decoder_name, int_field, require_silu)
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 
@@ -24,9 +24,7 @@ def _int_field(d, name: str, default: int, *, minimum: int) -> int:
 
 
 def parse_config(d) -> dict:
-    hidden_act = d.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise ValueError(f"hidden_act={hidden_act!r} is not supported (supported: 'silu')")
+    require_silu(d)
     if d.get("use_sliding_window"):
         raise ValueError("use_sliding_window=True is not supported (sliding-window attention is "
                          f"not implemented; sliding_window={d.get('sliding_window')!r})")

@@ -91,7 +91,7 @@ class SparseMoE(nnx.Module):
         to): the ids are what --return-routed-experts exports (docs/serving.md)."""
         if tp is not None:
             raise ValueError("tensor parallelism of a MoE block is not implemented (MoE TP = 1; "
-                             "expert parallelism is issue #18's later part)")
+                             "split the experts with --ep-size instead)")
         ids, weights = self.route(kern, x, dtype=dtype)
         return self.combine(kern, x, ids, weights, dtype=dtype), ids
 
