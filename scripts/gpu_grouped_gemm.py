@@ -186,6 +186,9 @@ def timings(kern, dims, tokens, iters: int, rng) -> list[dict]:
         r, d = median_ms(routed, x, ids, w, iters=iters), median_ms(dense, x, ids, w, iters=iters)
         rows.append(dict(T=t, routed_ms=round(r, 3), dense_ms=round(d, 3),
                          dense_over_routed=round(d / r, 2)))
+        # Printed as it comes: the dense side compiles one GEMM per expert per T, so a step that
+        # runs out of time still reports the rows it finished.
+        print(f"timing {rows[-1]}", flush=True)
     return rows
 
 
@@ -212,6 +215,8 @@ def main() -> int:
           f"{where}; grouped leaf {kern.grouped_gemm.leaf.impl}, gemm leaf {kern.gemm.leaf.impl}")
     rng = np.random.default_rng(0)
     table, failures = check_bits(kern, reference_gemm(kern, args.device), dims, tokens, rng)
+    print(f"bits: {sum(r['differing'] for r in table if 'control' not in r['routing'])} rows "
+          f"differ; failures: {failures or 'none'}", flush=True)
     times = timings(kern, dims, timing_ts, args.iters, rng)
     for rows in (table, times):
         if rows:

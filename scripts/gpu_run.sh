@@ -107,7 +107,7 @@ for s in "$@"; do
     router_topk_mid) step router_topk_mid 300 python3 scripts/gpu_router_topk.py --experts 64 160 --ks 6 12 16 33 50 --out "$out/router_topk_mid" ;;
     router_topk_big) step router_topk_big 300 python3 scripts/gpu_router_topk.py --experts 256 --ks 6 8 12 16 33 50 --out "$out/router_topk_big" ;;
     router_topk_full) step router_topk_full 590 python3 scripts/gpu_router_topk.py --out "$out/router_topk" ;;
-    grouped_gemm_quick) step grouped_gemm_quick 200 python3 scripts/gpu_grouped_gemm.py --tokens 1 64 1024 --timing-ts 1 64 1024 4096 --iters 10 --out "$out/grouped_gemm" ;;
+    grouped_gemm_quick) step grouped_gemm_quick 240 python3 scripts/gpu_grouped_gemm.py --tokens 1 64 --timing-ts 1 64 1024 4096 --iters 5 --out "$out/grouped_gemm" ;;
     grouped_gemm) step grouped_gemm 540 python3 scripts/gpu_grouped_gemm.py --out "$out/grouped_gemm" ;;
     router_grouped) step router_grouped 300 env JAX_PLATFORMS=cpu python3 scripts/gpu_router_grouped.py --out "$out/router_grouped" ;;
     align_*) step "$s" 150 bash scripts/gpu_align.sh "$out/$s" "${s#align_}" ;;
