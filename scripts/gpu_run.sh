@@ -34,7 +34,7 @@
 #                  the dense Triton gemm at Qwen3-30B-A3B widths (E 128, top-8, T 1..4096; random
 #                  and skewed routings; a shifted-map control), torch == JAX launch, and one
 #                  layer's experts routed vs dense (ms medians); last line: a JSON summary
-#   grouped_gemm_quick  the same at T 1, 64, 1024 (bits) and 1..4096 (timing), 10 iterations
+#   grouped_gemm_quick  the same at T 1, 64 (bits) and 1..4096 (timing), 5 iterations
 #   router_grouped scripts/gpu_router_grouped.py: the (moe, router_grouped_topk) torch leaf vs HF's
 #                  live DeepseekV3TopkRouter on CUDA (ids in slot order, weight bits; random, tied,
 #                  group-tied, near-tied; E 16/64/256, groups 1/4/8, norm on/off)
