@@ -24,6 +24,12 @@ hidden 4096, 32 query / 8 KV heads, head_dim 128, the real vocabularies:
            init is zeros). The trainer's attention runs the absorbed MLA, its router and experts
            the grouped router's twin and the slot-order expert path under trainer mode
            (interop/trainer_mla.py, interop/trainer_moe.py).
+  longcat  LongcatFlashForCausalLM at LongCat-Flash's attention widths, scaled down: hidden 2048,
+           16 heads, q_lora 1536, kv_lora 512, qk_rope 64, qk_nope 128, v_head 128, 2 layers (each
+           two MLA blocks, two dense MLPs of 6144 and a shortcut MoE), 64 real + 32 zero (identity)
+           experts, top-12, expert width 1024, routed_scaling_factor 6, vocab 131072, HF's runtime
+           LoRA scales; a random correction bias. The model is reloaded with `from_pretrained`
+           (bf16), so the trainer holds what HF's loader gives (its router stays bf16).
 
 Sequences: random ids of 7, 64, 333, 1000 and --max-len tokens, and a chat-template conversation;
 for qwen3moe only random ids of 1100 and 2048 tokens, for deepseek_v3 64, 1100 and 2048 (`LENGTHS`:
@@ -87,17 +93,24 @@ CASES = {
                          "mscale": 1.0, "mscale_all_dim": 1.0,
                          "original_max_position_embeddings": 4096,
                          "beta_fast": 32, "beta_slow": 1})),
+    "longcat": ("LongcatFlashForCausalLM", dict(
+        hidden_size=2048, num_attention_heads=16, ffn_hidden_size=6144, q_lora_rank=1536,
+        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        n_routed_experts=64, zero_expert_num=32, moe_topk=12, expert_ffn_hidden_size=1024,
+        routed_scaling_factor=6.0, vocab_size=131072, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0})),
 }
 # Per case, its sequences' lengths where they are not the dense default (7, 64, 333, 1000, --max-len
 # and the chat). The engine runs every expert on every row (E/k = 8x the routed FLOPs) and the
 # trainer loops over the experts: two sequences past 1k tokens, no chat, keep the step short.
-LENGTHS = {"qwen3moe": (1100, 2048), "deepseek_v3": (64, 1100, 2048)}
+LENGTHS = {"qwen3moe": (1100, 2048), "deepseek_v3": (64, 1100, 2048), "longcat": (64, 1100, 2048)}
 # --smoke / --small: CPU widths, one vocabulary block, short sequences; every case takes the
 # fields it has.
 SMOKE = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, intermediate_size=512,
              num_experts=16, n_routed_experts=16, moe_intermediate_size=64, vocab_size=32768, q_lora_rank=96,
-             kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32)
-SMOKE_LENGTHS = {"qwen3moe": (37, 70), "deepseek_v3": (37, 70)}
+             kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32,
+             ffn_hidden_size=512, expert_ffn_hidden_size=64, zero_expert_num=8)
+SMOKE_LENGTHS = {"qwen3moe": (37, 70), "deepseek_v3": (37, 70), "longcat": (37, 70)}
 VARIANTS = [("neg-ce", 32768), ("direct", 32768), ("neg-ce", 16384), ("direct", 16384)]
 CHAT = [{"role": "system", "content": "You are a numerical analyst."},
         {"role": "user", "content": " ".join(f"Question {i}: why is the fp32 fold of block partials "
@@ -107,6 +120,20 @@ CHAT = [{"role": "system", "content": "You are a numerical analyst."},
 
 
 DEVICE = "cuda"
+
+
+def hf_fields(arch: str, dims: dict) -> dict:
+    """The HF config's keyword arguments of a case: the shared widths, the case's own, renamed
+    where a family names them differently."""
+    fields = {**WIDTHS, **dims}
+    if arch == "DeepseekV3ForCausalLM":  # MLA: every head reads the latent; head_dim = rope dim
+        fields["num_key_value_heads"] = fields["num_attention_heads"]
+        del fields["head_dim"]
+    if arch == "LongcatFlashForCausalLM":  # its own names; head_dim = the rope dim
+        del fields["num_key_value_heads"]
+        fields["num_layers"] = fields.pop("num_hidden_layers")
+        fields["head_dim"] = fields["qk_rope_head_dim"]
+    return fields
 
 
 def build_model(directory: Path, arch: str, dims: dict, seed: int):
@@ -119,10 +146,8 @@ def build_model(directory: Path, arch: str, dims: dict, seed: int):
 
     directory.mkdir(parents=True, exist_ok=True)
     special = write_tiny_tokenizer(directory)
-    fields = {**WIDTHS, **dims}
-    if arch == "DeepseekV3ForCausalLM":  # MLA: every head reads the latent; head_dim = rope dim
-        fields["num_key_value_heads"] = fields["num_attention_heads"]
-        del fields["head_dim"]
+    fields = hf_fields(arch, dims)
+    longcat = arch == "LongcatFlashForCausalLM"
     cfg = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
         **fields, eos_token_id=special[tiny.IM_END],
         pad_token_id=special[tiny.ENDOFTEXT],
@@ -131,8 +156,8 @@ def build_model(directory: Path, arch: str, dims: dict, seed: int):
     with torch.device(DEVICE):
         model = getattr(transformers, arch)(cfg).to(torch.bfloat16)
     routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
-    for router in routers:  # f32, as HF's from_pretrained keeps it (_keep_in_fp32_modules_strict)
-        router.float()
+    for router in routers if not longcat else ():  # f32, as HF's from_pretrained keeps DeepSeek's
+        router.float()  # (_keep_in_fp32_modules_strict); LongCat's list is not strict: bf16
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
@@ -145,6 +170,10 @@ def build_model(directory: Path, arch: str, dims: dict, seed: int):
         for router in routers:  # a buffer, zeros in HF's init: the bias's role would go untested
             router.e_score_correction_bias.normal_(0.0, 0.05, generator=g)
     model.save_pretrained(directory)
+    if longcat:  # what HF's loader gives a trainer, whatever the in-memory model held
+        del model
+        model = getattr(transformers, arch).from_pretrained(directory,
+                                                            dtype=torch.bfloat16).to(DEVICE)
     return model.eval()
 
 
@@ -231,10 +260,7 @@ def rope_finding(case: str, arch: str, dims: dict) -> str:
     from jengine.models.layers.rope import inv_freq_and_scaling
 
     rope = dims["rope_parameters"]
-    fields = {**WIDTHS, **dims}
-    if arch == "DeepseekV3ForCausalLM":
-        del fields["head_dim"]  # the config sets it: the rotary width
-    cfg = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**fields)
+    cfg = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**hf_fields(arch, dims))
     dim = cfg.head_dim
     with trainer_mode.enable(device=DEVICE):  # HF's own function on CUDA, pow routed to XLA's
         if rope["rope_type"] == "default":

@@ -43,6 +43,9 @@
 #                  alignment at production widths, four logprob forms, stock-torch control
 #   accept_qwen3moe  the same for Qwen3-MoE at Qwen3-30B-A3B's widths (64 experts, top-8, 2 layers,
 #                  sequences of 1100 and 2048 tokens), under 5 minutes
+#   accept_deepseek_v3 / accept_longcat  the same for DeepSeek-V3 (hidden 2048, kv_lora 512, 64 experts
+#                  in groups, a shared expert) and LongCat-Flash (zero experts, LoRA scales) at
+#                  64, 1100 and 2048 tokens, under 5 minutes each
 #   acceptance     all five cases (longer than one device call allows: use accept_<case> steps)
 #   goldens_record scripts/goldens.py record: tiny, families and production-width goldens on the
 #                  GPU (ids + logprob bits, trainer dumps on CUDA) -> $out/h200.json
@@ -111,7 +114,7 @@ for s in "$@"; do
     grouped_gemm) step grouped_gemm 540 python3 scripts/gpu_grouped_gemm.py --out "$out/grouped_gemm" ;;
     router_grouped) step router_grouped 300 env JAX_PLATFORMS=cpu python3 scripts/gpu_router_grouped.py --out "$out/router_grouped" ;;
     align_*) step "$s" 150 bash scripts/gpu_align.sh "$out/$s" "${s#align_}" ;;
-    accept_qwen3moe) step "$s" 300 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases qwen3moe ;;
+    accept_qwen3moe|accept_deepseek_v3|accept_longcat) step "$s" 300 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases "${s#accept_}" ;;
     accept_*) step "$s" 420 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases "${s#accept_}" ;;
     acceptance) step acceptance 1500 python3 scripts/gpu_acceptance.py --out "$out/acceptance" ;;
     goldens_record) step goldens_record 560 python3 scripts/goldens.py record --sections tiny families production --device cuda --out "$out/h200.json" ;;
