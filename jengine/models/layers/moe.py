@@ -169,8 +169,9 @@ class _Experts(nnx.Module):
 
     def __call__(self, kern, x, local_ids, weights, *, dtype, foreign: bool = False):
         """[T, k, H] in `dtype`: slot (t, s) is expert local_ids[t, s]'s output for row t, its
-        activation scaled by weights[t, s]. With `foreign` (expert parallelism) an id outside
-        [0, E) is another rank's expert: that slot is zeros and costs no GEMM work.
+        activation scaled by weights[t, s]. With `foreign` an id outside [0, E) is a slot no expert
+        here computes (an empty row of an expert-parallel buffer, an identity expert's slot): it
+        is zeros and costs no GEMM work.
 
         batch_invariant: only the routed pairs, through the ("moe", "grouped_gemm") plan
         (jengine/models/layers/moe_routed.py): each pair's row has the bits the gemm leaf gives
