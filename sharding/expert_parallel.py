@@ -1,5 +1,5 @@
-"""Expert parallelism as a MoE block sees it: tokens dispatched to their experts' owners and combined
-back by all-to-all, bytes only.
+"""Expert parallelism as a MoE block sees it: tokens dispatched to their experts' owners and
+combined back by all-to-all, bytes only.
 
 With --ep-size E the stacked expert weights [num_experts, ...] are split over the mesh's "expert"
 axis (sharding/rules.py): rank r holds experts [r * n_local, (r + 1) * n_local). Everything else is

@@ -107,8 +107,8 @@ def dispatch_cases() -> dict:
             return ep.combine(x, ids, w, n_local, experts, fold)
 
         rep = PartitionSpec()
-        run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(PartitionSpec("expert"),) + (rep,) * 3,
-                                    out_specs=rep, check_vma=False))
+        run = jax.jit(jax.shard_map(step, mesh=mesh, out_specs=rep, check_vma=False,
+                                    in_specs=(PartitionSpec("expert"),) + (rep,) * 3))
         placed = jax.device_put(table, NamedSharding(mesh, PartitionSpec("expert")))
         for name, ids in (("mixed", mixed), ("one_owner", one_owner)):
             got = np.asarray(run(placed, x, ids, w))

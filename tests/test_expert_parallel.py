@@ -2,7 +2,8 @@
 bitwise with the slot-order combine, the rank-order combine as its control, the all-to-all dispatch
 in the step program and alone (rows not a multiple of E, a row's slots all on one rank), and the
 invariance harness at EP4; the same for a tiny DeepSeek-V3 (MLA, a dense layer, two MoE layers
-with a shared expert) at EP1 = EP4. tests/ep_probe.py measures in a subprocess; the claims are asserted here."""
+with a shared expert) at EP1 = EP4. tests/ep_probe.py measures in a subprocess; the claims are
+asserted here."""
 
 import pytest
 
@@ -46,8 +47,8 @@ def test_rank_combine_is_batch_invariant_but_not_ep_invariant(probe):
 
 def test_step_program_dispatches_by_all_to_all(probe):
     """The EP4 step (16-token bucket, 64 wide, top-4; two MoE layers): per layer, the rows and their
-    ids and weights go out and the outputs come back by all-to-all in [E, C = 16/4 * 4, ...] buffers,
-    and the only all-gather is of the folded [T, H] outputs -- no [E, T, k, H] slot gather."""
+    ids and weights go out and the outputs come back by all-to-all in [E, C = 16/4 * 4, ...]
+    buffers, and the only all-gather is of the folded [T, H] outputs -- no [E, T, k, H] gather."""
     moved = probe["slot_ep4"]["collectives"]
     assert moved["all_to_all"] == ["4x16x64xf32", "4x16xi32", "4x16xf32", "4x16x64xf32"] * 2
     assert moved["all_gather"] == ["16x64xf32"] * 2
