@@ -3,9 +3,11 @@
 Run by tests/test_expert_parallel.py in a subprocess. A tiny random MoE model -- Qwen3-MoE (8
 experts, top-4), or with the argument `deepseek` DeepSeek-V3 (interop.testing's: layer 0 dense,
 two MoE layers of 16 experts, top-4, a shared expert) -- in float32 under the rl-bitwise kernel
-plans (fixed-order GEMMs; Qwen3-MoE's stable router leaf, DeepSeek-V3's torch one) at EP 1, 2, 4 and 8 (DeepSeek: 1 and 4): teacher-forced logits of two prompts, alone and packed; and
-`--moe-combine-order rank` at EP4 against slot at EP1; with the argument `harness`, also the
-invariance harness at EP4. Every entry is a measurement; the assertions live in the test.
+plans (fixed-order GEMMs; Qwen3-MoE's stable router leaf, DeepSeek-V3's torch one) at EP 1, 2, 4
+and 8 (DeepSeek: 1 and 4): teacher-forced logits of two prompts, alone and packed; the collectives
+of the EP4 step program; `--moe-combine-order rank` at EP4 against slot at EP1; for Qwen3-MoE the
+all-to-all dispatch alone on stand-in experts (`dispatch_cases`); with the argument `harness`, also
+the invariance harness at EP4. Every entry is a measurement; the assertions live in the test.
 """
 
 import dataclasses
@@ -63,6 +65,76 @@ def harness(model_dir: str) -> dict:
     return out
 
 
+def dispatch_cases() -> dict:
+    """The all-to-all dispatch alone (sharding/expert_parallel.py), on stand-in experts whose row
+    output is the row times its expert's vector times its weight (no sum: a misplaced or reordered
+    pair changes bits). T = 13 rows (no multiple of 2, 4 or 8), k = 4 of 32 experts. `mixed`:
+    random routing, row 0 all on rank 0 and row 1 all on the last rank; `one_owner`: every pair on
+    rank 0, so rank 0 receives full buffers. The fold returns the k outputs side by side with the
+    row's slots, so the gathered result is every slot's output where one device computes it; an
+    empty buffer row's expert vector is NaN, so a received row that is not a pair would show."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from sharding.expert_parallel import ExpertParallel
+    from sharding.mesh import make_mesh
+
+    t, k, h, n = 13, 4, 8, 32
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((t, h), np.float32)
+    w = rng.standard_normal((t, k), np.float32)
+    table = rng.standard_normal((n, h), np.float32)
+    mixed = np.stack([rng.permutation(n)[:k] for _ in range(t)]).astype(np.int32)
+    mixed[0], mixed[1] = [2, 0, 3, 1], [n - 1, n - 4, n - 2, n - 3]
+    one_owner = np.stack([rng.permutation(4) for _ in range(t)]).astype(np.int32)
+    expected = {name: x[:, None, :] * table[ids] * w[:, :, None]
+                for name, ids in (("mixed", mixed), ("one_owner", one_owner))}
+    out = {}
+    for e in (2, 4, 8):
+        mesh = make_mesh(ep=e)
+        ep, n_local = ExpertParallel(e), n // e
+
+        def step(table_local, x, ids, w):
+            def experts(rows, local, row_w):
+                vec = table_local.at[local].get(mode="fill", fill_value=np.nan)
+                return rows * vec * row_w[:, None]
+
+            def fold(outputs, slots):
+                return jnp.concatenate([outputs.reshape(outputs.shape[0], -1),
+                                        slots.astype(jnp.float32)], axis=1)
+
+            return ep.combine(x, ids, w, n_local, experts, fold)
+
+        rep = PartitionSpec()
+        run = jax.jit(jax.shard_map(step, mesh=mesh, out_specs=rep, check_vma=False,
+                                    in_specs=(PartitionSpec("expert"),) + (rep,) * 3))
+        placed = jax.device_put(table, NamedSharding(mesh, PartitionSpec("expert")))
+        for name, ids in (("mixed", mixed), ("one_owner", one_owner)):
+            got = np.asarray(run(placed, x, ids, w))
+            outputs = got[:, :k * h].reshape(t, k, h)
+            out[f"{name}_ep{e}"] = {
+                "differing": differing(outputs, expected[name]),
+                "slots_differing": int(np.count_nonzero(got[:, k * h:] != ids)),
+                # the control: the same comparison catches two slots exchanged
+                "differing_if_slots_swapped": differing(outputs[:, [1, 0, 2, 3]], expected[name])}
+    return out
+
+
+def step_collectives(runner, tokens: int = 16) -> dict:
+    """The result shapes of every all-to-all and all-gather in the step program of a `tokens` bucket
+    (its lowered StableHLO text), keyed by op."""
+    import re
+
+    from jengine.models.kv_cache import NULL_PAGE
+
+    text = runner._forward.lower(runner._params, runner.kv_pool.arrays,
+                                 *(np.zeros(tokens, np.int32),) * 3,
+                                 np.full((tokens, 1), NULL_PAGE, np.int32)).as_text()
+    return {op: re.findall(rf'"?stablehlo\.{op}"?\(.*->\s*tensor<([^>]*)>', text)
+            for op in ("all_to_all", "all_gather")}
+
+
 def main():
     out = {}
     with tempfile.TemporaryDirectory() as tmp, override_profile(ARCH,
@@ -96,7 +168,11 @@ def main():
                     entry["expert_weight_local_experts"] = int(
                         expert.addressable_shards[0].data.shape[0])
                     entry["parallelism"] = runner.parallelism()
+                    if combine == "slot":
+                        entry["collectives"] = step_collectives(runner)
                 out[f"{combine}_ep{ep}"] = entry
+        if ARCH == "Qwen3MoeForCausalLM":
+            out["dispatch"] = dispatch_cases()
         if "harness" in sys.argv[1:]:
             out["harness"] = harness(str(Path(tmp) / "moe"))
     print(json.dumps(out))

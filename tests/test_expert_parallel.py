@@ -1,7 +1,9 @@
 """Expert parallelism (--ep-size) of a tiny Qwen3-MoE on 8 fake CPU devices: EP1 = EP2 = EP4 = EP8
-bitwise with the slot-order combine, the rank-order combine as its control, and the invariance
-harness at EP4; the same for a tiny DeepSeek-V3 (MLA, a dense layer, two MoE layers with a shared
-expert) at EP1 = EP4. tests/ep_probe.py measures in a subprocess; the claims are asserted here."""
+bitwise with the slot-order combine, the rank-order combine as its control, the all-to-all dispatch
+in the step program and alone (rows not a multiple of E, a row's slots all on one rank), and the
+invariance harness at EP4; the same for a tiny DeepSeek-V3 (MLA, a dense layer, two MoE layers
+with a shared expert) at EP1 = EP4. tests/ep_probe.py measures in a subprocess; the claims are
+asserted here."""
 
 import pytest
 
@@ -41,6 +43,27 @@ def test_rank_combine_is_batch_invariant_but_not_ep_invariant(probe):
     run = probe["rank_ep4"]
     assert run["differing_vs_ep1"] > 0
     assert run["batch_differing"] == 0
+
+
+def test_step_program_dispatches_by_all_to_all(probe):
+    """The EP4 step (16-token bucket, 64 wide, top-4; two MoE layers): per layer, the rows and their
+    ids and weights go out and the outputs come back by all-to-all in [E, C = 16/4 * 4, ...]
+    buffers, and the only all-gather is of the folded [T, H] outputs -- no [E, T, k, H] gather."""
+    moved = probe["slot_ep4"]["collectives"]
+    assert moved["all_to_all"] == ["4x16x64xf32", "4x16xi32", "4x16xf32", "4x16x64xf32"] * 2
+    assert moved["all_gather"] == ["16x64xf32"] * 2
+
+
+@pytest.mark.parametrize("routing", ["mixed", "one_owner"])
+@pytest.mark.parametrize("ep", [2, 4, 8])
+def test_all_to_all_dispatch_puts_every_slot_where_one_device_does(probe, routing, ep):
+    """13 rows (no multiple of E), k = 4 of 32 stand-in experts: every slot's output and id reach
+    the fold in the bits one device computes, with a row's k slots all on one rank (`mixed`: the
+    first and the last rank) and every pair on rank 0 (`one_owner`: full buffers); the control is
+    the same comparison catching two slots exchanged."""
+    run = probe["dispatch"][f"{routing}_ep{ep}"]
+    assert (run["differing"], run["slots_differing"]) == (0, 0)
+    assert run["differing_if_slots_swapped"] > 0
 
 
 @pytest.mark.slow

@@ -232,8 +232,8 @@ class ModelRunner:
         if self._tp is None:  # expert parallelism alone: the experts split, the rest whole
             out = {"mesh": {str(k): int(v) for k, v in self.mesh.shape.items()},
                    "layout": self._rules.layout,
-                   "projections": {"experts": "expert-parallel (whole experts per rank; slot "
-                                              "outputs moved by an all-gather)",
+                   "projections": {"experts": "expert-parallel (whole experts per rank; "
+                                              "tokens dispatched and combined by all-to-all)",
                                    "everything else": "replicated"}}
             if self._eplb is not None:
                 out["eplb"] = {"physical_experts": self._eplb.num_physical,

@@ -25,9 +25,9 @@ after down_proj instead (a different rounding point); trainer mode runs this for
 
 The combine: `--moe-combine-order slot` folds a token's k scaled outputs in f32 in slot order, one
 rounding. On one device `rank` has a single rank's partial, which is the same fold, so both give the
-same bits here; under --ep-size, `slot` moves each slot's output from its owner and folds exactly as
-on one device (EP-size invariant), while `rank` folds per-rank partials in rank order
-(sharding/expert_parallel.py).
+same bits here. Under --ep-size each (token, slot) pair travels to its expert's owner and back by
+all-to-all (sharding/expert_parallel.py); `slot` then folds exactly as on one device (EP-size
+invariant), while `rank` folds per-rank partials in rank order.
 Under --enable-eplb the stacked experts are physical slots (a logical expert may have replicas) and
 a token's logical ids are dispatched to slots by the layer's `physical_to_logical` map, a step
 parameter (sharding/eplb.py); the routed ids exported stay logical.
@@ -108,19 +108,32 @@ class SparseMoE(nnx.Module):
         if self.physical_to_logical is not None:  # EPLB: a replica of each logical expert
             slots = eplb.dispatch(ids, self.physical_to_logical[...])
         n_local = self.experts.gate_proj.shape[0]                 # this rank's (physical) experts
-        local = slots if self.ep is None else slots - self.ep.first_expert(n_local)
-        if identity is not None:  # no expert computes an identity slot: out of this rank's range
+        if self.ep is not None:
+            return self._combine_expert_parallel(kern, x, slots, weights, n_local, dtype=dtype)
+        local = slots
+        if identity is not None:  # no expert computes an identity slot: out of the experts' range
             local = jnp.where(identity, n_local, local)
         mine = self.experts(kern, x, local, weights, dtype=dtype,
-                            foreign=self.ep is not None or identity is not None)  # [T, k, H]
-        if self.ep is not None and kern.combine_order == "rank":
-            return self.ep.rank_combine(mine, slots, n_local).astype(dtype)
-        if self.ep is not None:  # each slot moved from its expert's owner (bytes only)
-            mine = self.ep.slot_outputs(mine, slots, n_local)
+                            foreign=identity is not None)  # [T, k, H]
         if identity is not None:
             residual = (x[:, None, :] * weights[:, :, None]).astype(dtype)  # one product, rounded
             mine = jnp.where(identity[:, :, None], residual, mine)
         return slot_order_sum(mine).astype(dtype)
+
+    def _combine_expert_parallel(self, kern, x, slots, weights, n_local: int, *, dtype):
+        """`combine` under --ep-size: each (row, slot) pair sent to its expert's owner and back by
+        all-to-all (sharding/expert_parallel.py), through the same expert path, folded in slot
+        order as on one device (`rank`: per-rank partials in rank order)."""
+        def experts(rows, local, row_weights):  # the rows this rank received, k = 1 each
+            return self.experts(kern, rows, local[:, None], row_weights[:, None], dtype=dtype,
+                                foreign=True)[:, 0]
+
+        def fold(outputs, owned_slots):
+            if kern.combine_order == "rank":
+                return self.ep.rank_order_sum(outputs, owned_slots, n_local).astype(dtype)
+            return slot_order_sum(outputs).astype(dtype)
+
+        return self.ep.combine(x, slots, weights, n_local, experts, fold)
 
     def route(self, kern, x, *, dtype):
         """(expert ids int32[T, k], routing weights [T, k] in `dtype`) for the rows of x."""
@@ -156,8 +169,9 @@ class _Experts(nnx.Module):
 
     def __call__(self, kern, x, local_ids, weights, *, dtype, foreign: bool = False):
         """[T, k, H] in `dtype`: slot (t, s) is expert local_ids[t, s]'s output for row t, its
-        activation scaled by weights[t, s]. With `foreign` (expert parallelism) an id outside
-        [0, E) is another rank's expert: that slot is zeros and costs no GEMM work.
+        activation scaled by weights[t, s]. With `foreign` an id outside [0, E) is a slot no expert
+        here computes (an empty row of an expert-parallel buffer, an identity expert's slot): it
+        is zeros and costs no GEMM work.
 
         batch_invariant: only the routed pairs, through the ("moe", "grouped_gemm") plan
         (jengine/models/layers/moe_routed.py): each pair's row has the bits the gemm leaf gives

@@ -32,8 +32,9 @@ def routed_expert_outputs(kern, x, ids, weights, gate_w, up_w, down_w, *, dtype,
     kern: a kernel set with `grouped_gemm` (a ("moe", "grouped_gemm") plan) and `silu`.
     block_rows: the layout's row block; by default the one every grouped leaf accepts for these
     widths (`block_rows_for`).
-    foreign: ids may hold E (= gate_w.shape[0]) for a pair another expert-parallel rank computes;
-    such pairs land in empty tiles (no GEMM work) and their slots are zeros.
+    foreign: ids may hold E (= gate_w.shape[0]) for a pair no expert here computes (an empty row of
+    an expert-parallel buffer, an identity expert's slot); such pairs land in empty tiles (no GEMM
+    work) and their slots are zeros.
     """
     t, h = x.shape
     k = ids.shape[1]
@@ -41,7 +42,7 @@ def routed_expert_outputs(kern, x, ids, weights, gate_w, up_w, down_w, *, dtype,
     if block_rows is None:
         block_rows = block_rows_for(((inter, h), (h, inter)), dtype)
     order, tile_expert, row_of_pair = plan_expert_tiles(ids, num_experts + foreign, block_rows)
-    if foreign:  # the extra "expert" E is the other ranks': its tiles do no work
+    if foreign:  # the extra "expert" E computes nothing: its tiles do no work
         tile_expert = jnp.where(tile_expert == num_experts, EMPTY_TILE, tile_expert)
     # Padding rows carry pair index T*k: out of range, so the gathers fill them with zeros.
     rows_x = x.at[order // k].get(mode="fill", fill_value=0)
