@@ -47,7 +47,10 @@ BLOCK_K = 64  # latent columns per score dot (R is scored in R / BLOCK_K chained
 SPLIT = 256  # positions per split; a multiple of BLOCK_N
 MIN_ROWS = 16  # tl.dot needs >= 16 rows: fewer (padded) heads are packed with more tokens
 MAX_HEADS_PER_PROGRAM = 128  # DeepSeek's largest head count: all heads of a token in one program
-ACC_BUDGET = 16384  # f32 accumulator elements per program (ROWS x BV): 64 per thread at 8 warps
+# Value columns per program (the f32 accumulator is ROWS x BV). sm_90 compiles (ptxas -v, no GPU
+# needed): 128 heads x 128 columns at 8 warps spill nothing; 16 heads spill under 100 bytes; 256
+# columns spill more at either head count.
+MAX_VALUE_COLUMNS = 128
 NUM_WARPS, NUM_STAGES = 8, 2
 # Below xla_native (TUNED + 1) until the H200 shows it faster (scripts/gpu_mla_attention.py reports
 # both); rl-bitwise plans it on a GPU either way (xla_native is not batch invariant).
@@ -74,7 +77,7 @@ def geometry(num_heads: int, v_width: int, rope_width: int) -> dict:
     bh = min(next_pow2(num_heads), MAX_HEADS_PER_PROGRAM)
     tpp = max(1, MIN_ROWS // bh)
     return dict(H=num_heads, BH=bh, TPP=tpp, R=v_width, P=rope_width,
-                BV=min(v_width, ACC_BUDGET // (tpp * bh)), BLOCK_K=min(v_width, BLOCK_K))
+                BV=min(v_width, MAX_VALUE_COLUMNS), BLOCK_K=min(v_width, BLOCK_K))
 
 
 def _constexprs(q, latent_pages, v_width: int) -> dict:

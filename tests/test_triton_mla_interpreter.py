@@ -137,7 +137,7 @@ def test_head_and_value_blocking_do_not_change_a_row(case, prefill, monkeypatch)
     """Two heads per program (so 8 tokens per tile) and 32 value columns per program: more
     programs, the same arithmetic per row and column."""
     monkeypatch.setattr(tm, "MAX_HEADS_PER_PROGRAM", 2)
-    monkeypatch.setattr(tm, "ACC_BUDGET", 16 * 32)
+    monkeypatch.setattr(tm, "MAX_VALUE_COLUMNS", 32)
     geo = tm.geometry(H, R, P)
     assert (geo["BH"], geo["TPP"], geo["BV"]) == (2, 8, 32)
     rows = [(0, p) for p in range(250, 262)]
@@ -161,7 +161,7 @@ def test_geometry_names_the_bad_field():
     assert {k: tm.geometry(128, 512, 64)[k] for k in ("BH", "TPP", "BV")} == dict(BH=128, TPP=1,
                                                                                BV=128)
     assert {k: tm.geometry(16, 512, 64)[k] for k in ("BH", "TPP", "BV")} == dict(BH=16, TPP=1,
-                                                                              BV=512)
+                                                                              BV=128)
 
 
 # -- planning: the leaf as a GPU would register it --------------------------------------------------
