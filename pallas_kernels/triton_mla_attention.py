@@ -16,10 +16,11 @@ The dense-causal form (the trainer's [B, S, W] latents) is the same kernel readi
 one page of S positions, so trainer mode's twin (interop/trainer_mla.py, through the twin table)
 and the engine's paged leaf agree bit for bit; the twin is the same source launched from torch.
 
-These bits are *not* the portable `fixed_order` leaf's (f32 p . v against the model-dtype p here,
-other KV blocking, one max over the whole context there): the CPU keeps its own bits (goldens), and
-on a GPU the rl-bitwise plan and trainer mode's twin table both pick this leaf, so engine and
-trainer move together.
+These bits are *not* the portable `fixed_order` leaf's (pallas_kernels/mla_attention.py): that one
+takes one max over the whole context in KV blocks of 16 and multiplies an f32 p by v; this one
+merges 256-position splits of 32-position tiles and rounds p to the model dtype for the p . v dot.
+That is fine: the CPU keeps the portable bits (the goldens), and on a GPU the rl-bitwise plan and
+trainer mode's twin table both pick this leaf, so engine and trainer move together.
 
 Shapes: R (kv_lora_rank, the value width) and P (qk_rope_head_dim) must each be a power of two
 >= 16 (tl.arange and tl.dot); any head count works (heads are padded to a power of two and cut into
