@@ -16,6 +16,8 @@ module the engine's forward:
                                     per head, rounded to the model dtype)
   attention                         the ("attention", "mla_dense_causal") leaf's twin: the paged
                                     leaf's core on contiguous latents, with HF's own `scaling`
+                                    (on a GPU the Triton MLA kernels launched from torch, as the
+                                    twin table plans them)
   out_h = out_latent_h @ W_UV_h     one mm per head -> the GEMM twin; then HF's o_proj
 
 LongCat-Flash's `LongcatFlashMLA` runs the same forward with its LoRA norm scales where HF puts

@@ -10,4 +10,5 @@ from pallas_kernels import registry  # noqa: F401
 from pallas_kernels import (activation, attention, gemm, logprobs, mla_attention,  # noqa: F401
                             moe_grouped_gemm, moe_router, moe_router_grouped, rmsnorm, sampling)
 from pallas_kernels import (triton_activation, triton_attention, triton_gemm,  # noqa: F401
-                            triton_moe_grouped_gemm, triton_norm, triton_sampling)
+                            triton_mla_attention, triton_moe_grouped_gemm, triton_norm,
+                            triton_sampling)

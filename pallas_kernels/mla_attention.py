@@ -19,7 +19,8 @@ own GEMM after the output is rounded, the spec's separate rounding boundary.
 
 ``mla_paged`` gathers each row's latent from the pages; ``mla_dense_causal`` takes the trainer's
 contiguous latents (interop/trainer_mla.py calls its torch twin). Both call the same core, so they
-agree bit for bit. No Triton form exists yet: on a GPU the portable form runs (slow, same claim).
+agree bit for bit. These are the CPU's bits; on a GPU the rl-bitwise plan and trainer mode's twin
+table pick the Triton form (pallas_kernels/triton_mla_attention.py: same claims, its own bits).
 """
 
 from __future__ import annotations

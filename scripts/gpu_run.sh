@@ -7,6 +7,10 @@
 # Steps:
 #   attention      scripts/gpu_attention.py: Triton attention bits, accuracy, per-layer timings
 #   attention_timing  the same, timings only
+#   mla_attention  scripts/gpu_mla_attention.py: the Triton MLA leaf at DeepSeek widths (R 512,
+#                  rope 64, 16/128 heads, ctx 1k/4k, bf16): paged == dense-causal, decode ==
+#                  prefill, chunked, bs-64 packing, JAX == torch launch, the GPU plans; decode
+#                  timings (bs 64) vs the portable and xla_native leaves -> mla_attention.md
 #   sumexp         scripts/gpu_validate.py --only block_sumexp: block partials across M, torch
 #                  launch == JAX launch, vocabularies that are not whole blocks (last completed)
 #   gemm           scripts/gpu_validate.py --only gemm: GEMM rows across M (split and serial
@@ -83,6 +87,7 @@ step() {  # step NAME SECONDS CMD...
 for s in "$@"; do
   case $s in
     attention) step attention 240 python3 scripts/gpu_attention.py --out "$out" ;;
+    mla_attention) step mla_attention 200 python3 scripts/gpu_mla_attention.py --out "$out/mla_attention" ;;
     attention_timing) step attention_timing 150 python3 scripts/gpu_attention.py --skip-checks --out "$out" ;;
     gemm) step gemm 170 python3 scripts/gpu_validate.py --skip-harness --only gemm --out "$out/val" ;;
     sumexp) step sumexp 150 python3 scripts/gpu_validate.py --skip-harness --only block_sumexp --out "$out/val_sumexp" ;;

@@ -1,6 +1,6 @@
-"""Compile the Triton GEMM and attention kernels for sm_90 (H200) on a machine without a GPU.
+"""Compile the Triton GEMM, attention and MLA attention kernels for sm_90 (H200) on a machine without a GPU.
 
-    python scripts/triton_aot_check.py
+    python scripts/triton_aot_check.py [LABEL_PREFIX]
 
 Triton's compiler and ptxas run on any Linux x86_64 host, so a kernel that does not compile for the
 H200 (an unsupported construct, a type mismatch between selected pointers) fails here, in CI, and
@@ -101,12 +101,41 @@ def attention_kernels():
                    dict(ta._combine_constexprs(c), NSPLIT=8), launch)
 
 
-def main() -> int:
+def mla_attention_kernels():
+    """The MLA leaf's three kernels at DeepSeek's widths (kv_lora_rank 512, rope 64; 16 and 128
+    heads), bf16."""
+    from pallas_kernels import _triton_mla_kernels as K
+    from pallas_kernels import triton_mla_attention as tm
+
+    launch = (tm.NUM_WARPS, tm.NUM_STAGES, False)
+    for (h, r, p, dtype) in ((16, 512, 64, "bf16"), (128, 512, 64, "bf16")):
+        geo = tm.geometry(h, r, p)
+        c = dict(geo, BLOCK_N=tm.BLOCK_N, SPLIT=tm.SPLIT, IEEE=dtype == "fp32")
+        hb = -(-h // geo["BH"])
+        inputs = {"q_ptr": f"*{dtype}", "lat_ptr": f"*{dtype}", "bt_ptr": "*i32", "pos_ptr": "*i32",
+                  "tiles_ptr": "*i32", "num_tiles": "i32", "page_size": "i32",
+                  "table_width": "i32", "scale": "fp32"}
+        label = f"mla h={h} R={r} P={p} {dtype}"
+        yield label + " serial", K.mla_serial_kernel, dict(inputs, out_ptr=f"*{dtype}"), c, launch
+        parts = {"part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32"}
+        yield (label + " split", K.mla_split_kernel, dict(inputs, **parts),
+               dict(c, HB=hb, NSPLIT=8), launch)
+        combine = {"pos_ptr": "*i32", "tiles_ptr": "*i32", "num_tiles": "i32", **parts,
+                   "out_ptr": f"*{dtype}"}
+        yield (label + " combine", K.mla_combine_kernel, combine,
+               dict(tm._combine_constexprs(c), HB=hb, NSPLIT=8), launch)
+
+
+def main(only: str = "") -> int:
+    """only: compile just the launches whose label starts with it (e.g. "mla")."""
     failures = 0
     launches = [(label, fn, args, consts,
                  (tile.num_warps, tile.num_stages, True) if tile else (4, 1, True))
                 for label, fn, args, consts, tile in gemm_kernels()]
-    for label, fn, args, consts, (warps, stages, fp_fusion) in launches + list(attention_kernels()):
+    for label, fn, args, consts, (warps, stages, fp_fusion) in (
+            launches + list(attention_kernels()) + list(mla_attention_kernels())):
+        if only and not label.startswith(only):
+            continue
         try:
             kernel = _compile(fn, args, consts, warps, stages, fp_fusion)
             print(f"ok    {label}: {kernel.metadata.shared} B shared")
@@ -117,4 +146,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(*sys.argv[1:2]))

@@ -1,4 +1,4 @@
-"""The GEMM and attention kernels compile for the H200 (sm_90), checked on the CPU by Triton's own
+"""The GEMM, attention and MLA attention kernels compile for the H200 (sm_90), checked on the CPU by Triton's own
 compiler.
 
 A subprocess, because the interpreter tests switch this process's Triton to interpreting mode. This
@@ -30,6 +30,7 @@ def test_every_tuned_gemm_and_attention_launch_compiles_for_sm90(tmp_path):
     lines = proc.stdout.splitlines()
     assert any("4096+1024+1024" in line and "split" in line for line in lines), lines
     assert any(line.startswith("ok    attention hq=32 hkv=8 D=128 bf16 combine") for line in lines)
+    assert any(line.startswith("ok    mla h=128 R=512 P=64 bf16 split") for line in lines)
     assert all(line.startswith("ok ") for line in lines), lines
 
 

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import (triton_activation, triton_attention, triton_gemm, triton_gemm_tiles,
-                            triton_moe_grouped_gemm, triton_norm, triton_sampling)
+                            triton_mla_attention, triton_moe_grouped_gemm, triton_norm,
+                            triton_sampling)
 from pallas_kernels._triton_launch import bits, dtype_name, import_jax_triton, triton_available
 from pallas_kernels.registry import REGISTRY
 
@@ -34,7 +35,9 @@ TRITON_IMPLS = {("linear", "gemm"): "triton_fixed_tile",
                 ("activation", "silu"): "triton_elementwise",
                 ("sampling", "block_sumexp"): "triton_fixed_tree",
                 ("attention", "paged"): "triton_fixed_split",
-                ("attention", "dense_causal"): "triton_fixed_split"}
+                ("attention", "dense_causal"): "triton_fixed_split",
+                ("attention", "mla_paged"): "triton_fixed_split",
+                ("attention", "mla_dense_causal"): "triton_fixed_split"}
 TRITON_LEAVES = {("linear", "gemm"): triton_gemm.gemm_triton,
                  ("linear", "gemm_group"): triton_gemm.gemm_group_triton,
                  ("moe", "grouped_gemm"): triton_moe_grouped_gemm.grouped_gemm_triton,
@@ -43,7 +46,10 @@ TRITON_LEAVES = {("linear", "gemm"): triton_gemm.gemm_triton,
                  ("activation", "silu"): triton_activation.silu_triton,
                  ("sampling", "block_sumexp"): triton_sampling.block_sumexp_triton,
                  ("attention", "paged"): triton_attention.paged_attention_triton,
-                 ("attention", "dense_causal"): triton_attention.dense_causal_attention_triton}
+                 ("attention", "dense_causal"): triton_attention.dense_causal_attention_triton,
+                 ("attention", "mla_paged"): triton_mla_attention.mla_paged_attention_triton,
+                 ("attention", "mla_dense_causal"):
+                     triton_mla_attention.mla_dense_causal_attention_triton}
 
 
 # -- any machine -----------------------------------------------------------------------------------

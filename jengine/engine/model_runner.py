@@ -74,6 +74,7 @@ class ModelRunner:
         self.kernels = self.family.plan_kernels(dtype=self.dtype, hardware=cfg.model.hardware,
                                                 features=cfg.model.required_features,
                                                 head_dim=model_config.head_dim,
+                                                kv_lora_rank=model_config.kv_lora_rank,
                                                 moe=cfg.model.moe)
         logger.info("kernel plans: %s", self.kernels.describe())
         self.mesh = self._placement = self._tp = self._ep = self._device = self._home = None

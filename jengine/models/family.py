@@ -63,11 +63,15 @@ class ModelFamily:
     def kv_cache_spec(self, cfg):
         return self._body().kv_cache_spec(cfg)
 
-    def plan_kernels(self, *, moe: MoEOptions | None = None, **kwargs):
+    def plan_kernels(self, *, moe: MoEOptions | None = None, kv_lora_rank: int | None = None,
+                     **kwargs):
         """The family's kernel-plan set, planned once (e.g. `ModelKernels.plan_for`); `moe`
-        (MoE models only) reaches the body's planner when given."""
+        (MoE models only) and `kv_lora_rank` (MLA models only) reach the body's planner when
+        given."""
         if moe is not None:
             kwargs["moe"] = moe
+        if kv_lora_rank:
+            kwargs["kv_lora_rank"] = kv_lora_rank
         return self._body().ModelKernels.plan_for(**kwargs)
 
     def build(self, cfg, source, *, dtype, kernels, **options):

@@ -55,10 +55,11 @@ class ModelKernels(deepseek_moe.ModelKernels):
 
     @classmethod
     def plan_for(cls, *, dtype, hardware: str, features=frozenset(), head_dim: int | None = None,
-                 moe: MoEOptions = MoEOptions()) -> "ModelKernels":
+                 kv_lora_rank: int | None = None, moe: MoEOptions = MoEOptions()) -> "ModelKernels":
         base = deepseek_moe.ModelKernels.plan_for(dtype=dtype, hardware=hardware,
                                                   features=features, moe=moe)
-        mla = mla_decoder.ModelKernels.plan_for(dtype=dtype, hardware=hardware, features=features)
+        mla = mla_decoder.ModelKernels.plan_for(dtype=dtype, hardware=hardware, features=features,
+                                                head_dim=head_dim, kv_lora_rank=kv_lora_rank)
         return cls(**{**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
                       "attention": None}, mla_attention=mla.mla_attention)
 

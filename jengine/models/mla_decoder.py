@@ -51,8 +51,10 @@ class ModelKernels:
 
     @classmethod
     def plan_for(cls, *, dtype, hardware: str, features=frozenset(), head_dim: int | None = None,
-                 moe: MoEOptions | None = None) -> "ModelKernels":
-        """head_dim (the rotary width) constrains no MLA leaf; accepted as the runner passes it."""
+                 kv_lora_rank: int | None = None, moe: MoEOptions | None = None) -> "ModelKernels":
+        """head_dim (the rotary width, qk_rope_head_dim) and kv_lora_rank: the latent's two widths,
+        which the Triton MLA leaf constrains (powers of two); a plan given neither gets a leaf that
+        takes any width."""
         base = dense.ModelKernels.plan_for(dtype=dtype, hardware=hardware, features=features)
         fmt = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float32): "f32"}[jnp.dtype(dtype)]
         moe_plans = {}
@@ -61,9 +63,11 @@ class ModelKernels:
                                                     features=features, moe=moe),
                          **plan_router(moe, hardware=hardware, features=features)}
         dense_fields = {"gemm", "gemm_group", "rmsnorm", "add_rmsnorm", "silu"}
+        latent_geometry = {k: v for k, v in (("kv_lora_rank", kv_lora_rank),
+                                             ("qk_rope_head_dim", head_dim)) if v is not None}
         return cls(**{name: getattr(base, name) for name in dense_fields},
                    mla_attention=plan("attention", "mla_paged", formats={fmt}, hardware=hardware,
-                                      features=features),
+                                      features=features, geometry=latent_geometry),
                    **moe_plans)
 
     def describe(self) -> dict[str, str]:
