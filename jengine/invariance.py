@@ -7,7 +7,8 @@ bit under every other condition the contract covers:
   packed      the prompts submitted together with random co-batches of random lengths
   rerun       the packed run again (run invariance)
   chunk-N     fresh engines with chunked-prefill sizes N in {small, odd, large}
-  prefix-hit  a prefix of each prompt cached first, ending off a page boundary
+  prefix-hit  a prefix of each prompt cached first, ending at an odd position off a page boundary
+              (`prefix_cut`; the table lists each prompt's cut)
   retract+N   --debug-force-retraction-interval N (N < 0 also retracts mid-prefill)
   overlap-off a fresh engine with --disable-overlap-schedule (overlap-on when the baseline has it)
 
@@ -74,6 +75,8 @@ class ModeResult:
     requests: int
     compared_values: int = 0
     divergences: list[Divergence] = field(default_factory=list)
+    # prefix-hit only: per request, the length of the prefix cached first (0: too short, scored cold)
+    prefix_cuts: list[int] = field(default_factory=list)
 
 
 def _bits(x) -> object:
@@ -134,6 +137,24 @@ def compare(mode: str, temperature: float, index: int, want: Record, got: Record
 
 
 # -- the harness ------------------------------------------------------------------------------------
+
+
+def prefix_cut(length: int, page_size: int) -> int:
+    """How many of a `length`-token prompt's tokens the prefix-hit mode caches first: the largest
+    odd count <= max(1, length - 2), below `length`, that is not a whole number of pages; 0 when
+    the prompt is too short to split (it is then scored cold).
+
+    The hit then resumes at an odd position. Pages and the leaves' tiles (attention key blocks,
+    GEMM row tiles, vector widths) have even widths, so an odd boundary falls inside a page and
+    inside every such tile: cached and new rows share both, where a kernel that treats "the rest
+    of a page" or "a partial tile" differently would show. An even cut can sit on a 2-, 8- or
+    16-row tile edge and miss it. With an odd page size some odd counts are whole pages; those
+    are skipped (page size 1: every count is, and the largest odd one is taken)."""
+    for cut in range(min(max(1, length - 2), length - 1), 0, -1):
+        if cut % 2 and (page_size == 1 or cut % page_size):
+            return cut
+    return 0
+
 
 
 @dataclass(frozen=True)
@@ -202,15 +223,11 @@ class InvarianceHarness:
         return [out[i] for i in range(len(prompts))]
 
     def _prefix_hit(self, eng, prompts, temperature) -> tuple[list[Record], list[int]]:
-        """Cache a prefix that ends off a page boundary, then send the prompt."""
+        """Cache each prompt's `prefix_cut` tokens, then send the whole prompt."""
         records, offsets = [], []
         eng.flush_cache()
         for i, ids in enumerate(prompts):
-            cut = max(1, len(ids) - 2)
-            if cut % self.cfg.page_size == 0:
-                cut -= 1
-            if not 1 <= cut < len(ids):
-                cut = 0  # too short to split: scored cold
+            cut = prefix_cut(len(ids), self.cfg.page_size)
             if cut:
                 eng.generate(input_ids=ids[:cut], sampling_params={"max_new_tokens": 0})
             records.append(_record(eng.generate(**self._request(ids, temperature, i,
@@ -234,6 +251,7 @@ class InvarianceHarness:
                         results.append(res)
                 res = ModeResult("prefix-hit", t, len(prompts))
                 records, offsets = self._prefix_hit(base, prompts, t)
+                res.prefix_cuts = offsets
                 hits = sum(r.cached_tokens > 0 for r in records)
                 for i, (rec, off) in enumerate(zip(records, offsets)):
                     compare("prefix-hit", t, i, baselines[t][i], rec, res, input_offset=off)
@@ -270,6 +288,8 @@ def format_table(results: list[ModeResult], numerics: str) -> str:
              f"{'mode':<14}{'T':>5}{'requests':>10}{'values':>9}  verdict"]
     for r in results:
         verdict = "PASS (bitwise)" if not r.divergences else f"DIVERGED: {r.divergences[0]}"
+        if r.prefix_cuts:
+            verdict += f"  (cached prefixes: {r.prefix_cuts} tokens)"
         lines.append(f"{r.mode:<14}{r.temperature:>5}{r.requests:>10}{r.compared_values:>9}  {verdict}")
     return "\n".join(lines)
 

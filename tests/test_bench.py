@@ -147,6 +147,21 @@ def _check_server(r, md):
     assert "| `auto` | 3 x (32 + 8) |" in md and "x | " in md  # the ratio to the engine row
 
 
+def test_mla_shape_matches_the_dense_shape_in_active_parameters():
+    """scripts/gpu_mla_decode.py's pair: the DeepSeek-V3-shaped model computes about as many
+    parameters per token as Llama-3-8B (within 5 %) while holding ~5x as many, and caches 3.6x
+    fewer KV bytes per token; the count sees the routing (the dense shape: active == total)."""
+    from jengine.bench.common import kv_bytes_per_token, parameter_counts, shape_config
+
+    mla, dense = (shape_config(s)[0] for s in ("dsv3-8b-active", "llama3-8b"))
+    m, d = parameter_counts(mla), parameter_counts(dense)
+    assert d["active"] == d["total"] == 8_030_261_248
+    assert abs(m["active"] / d["active"] - 1) < 0.05 and m["total"] > 4.5 * d["total"]
+    assert (kv_bytes_per_token(mla), kv_bytes_per_token(dense)) == (32 * 576 * 2, 32 * 2 * 8 * 128 * 2)
+    short = parameter_counts(shape_config("dsv3-8b-active", layers=16)[0])
+    assert short["active"] < 0.6 * m["active"]
+
+
 def test_latency_stats():
     # Two requests submitted at 0 and 1 s; the second's last event brings two tokens at once.
     stats = bench_e2e.latency_stats([0.0, 1.0], [[(0.5, 1), (0.75, 2)], [(1.25, 0), (2.0, 1),

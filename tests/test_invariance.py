@@ -1,10 +1,10 @@
 """The invariance harness: it passes bitwise under rl-bitwise and it can fail.
 
-The full harness (alone / packed / rerun / chunked prefill 4, 7, 256 / prefix hit off a page boundary
-/ forced retraction +3 and -3, greedy and T=1) runs against the embedded tiny model. Two negative
-controls show the checker is not vacuous: the comparator flags a planted one-bit change, a -0.0 vs
-+0.0 and a NaN; and the whole harness, run on an engine whose GEMM leaf changes its reduction with
-the row count while declaring batch invariance, reports divergences.
+The full harness (alone / packed / rerun / chunked prefill 4, 7, 256 / prefix hit at an odd position
+off a page boundary / forced retraction +3 and -3, greedy and T=1) runs against the embedded tiny
+model. Two negative controls show the checker is not vacuous: the comparator flags a planted
+one-bit change, a -0.0 vs +0.0 and a NaN; and the whole harness, run on an engine whose GEMM leaf
+changes its reduction with the row count while declaring batch invariance, reports divergences.
 """
 
 import math
@@ -12,7 +12,7 @@ import math
 import pytest
 
 from jengine.invariance import (DEFAULT_PROMPTS, HarnessConfig, InvarianceHarness, ModeResult,
-                                Record, compare)
+                                Record, compare, prefix_cut)
 
 
 def _flip_last_bit(x: float) -> float:
@@ -41,6 +41,18 @@ def test_comparator_catches_planted_differences(mutate, what):
     assert len(result.divergences) == 1 and result.divergences[0].what == what
 
 
+@pytest.mark.parametrize("length,page_size,cut", [
+    (12, 4, 9),    # length - 2 = 10 is even: one further back
+    (11, 4, 9),    # length - 2 = 9 is odd and not a whole page
+    (7, 4, 5), (3, 4, 1), (2, 4, 1),
+    (1, 4, 0), (0, 4, 0),   # nothing to cache before the last token: scored cold
+    (17, 3, 13),   # 15 is odd but 5 whole pages of 3
+    (20, 1, 17),   # page size 1: every count is whole pages; the largest odd one
+])
+def test_prefix_cut_is_odd_and_off_a_page_boundary(length, page_size, cut):
+    assert prefix_cut(length, page_size) == cut
+
+
 def _run(numerics):
     cfg = HarnessConfig(numerics=numerics, prompts=DEFAULT_PROMPTS[:5], max_new_tokens=8)
     lines = []
@@ -57,6 +69,10 @@ def test_rl_bitwise_passes_every_mode_bitwise():
     assert all(r.compared_values > 0 for r in results)
     diverged = [str(d) for r in results for d in r.divergences]
     assert diverged == [], "\n".join(diverged)
+    # The hits really resumed at odd positions inside a page (page size 4), and the table says so.
+    cuts = [c for r in results if r.mode == "prefix-hit" for c in r.prefix_cuts]
+    assert len(cuts) == 10 and all(c % 2 == 1 and c % 4 for c in cuts), cuts
+    assert "cached prefixes: [" in table
 
 
 @pytest.fixture

@@ -14,7 +14,31 @@ LLAMA3_8B = dict(architectures=["LlamaForCausalLM"], hidden_size=4096, intermedi
 # A 2-layer shape with the same structure, for smoke-testing the bench on a CPU (--shape small).
 SMALL = dict(LLAMA3_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=32000)
-SHAPES = {"llama3-8b": (LLAMA3_8B, 131072), "small": (SMALL, 32768)}
+# DeepSeek-V3's structure (MLA with q and kv LoRA, interleaved YaRN rope, noaux_tc routing over 8
+# expert groups, one shared expert, the first layer dense) sized so that its ACTIVE parameters per
+# token match the Llama-3-8B shape's (the MLA decode-step comparison, scripts/gpu_mla_decode.py,
+# prints both counts: 7.75B vs 8.03B at 32 layers, 96.5 %). Per layer: MLA 39M (Llama's GQA 42M);
+# the shared expert + 8 routed experts of width 1536 compute 170M (Llama's MLP 176M). 64 experts
+# make 40.5B parameters in all (81 GB in bf16). The same vocabulary as the Llama shape: the heads cost
+# the same, so the ratio compares the bodies.
+DSV3_8B_ACTIVE = dict(
+    architectures=["DeepseekV3ForCausalLM"], hidden_size=4096, intermediate_size=14336,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, q_lora_rank=1536,
+    kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+    first_k_dense_replace=1, n_routed_experts=64, num_experts_per_tok=8, n_group=8, topk_group=4,
+    n_shared_experts=1, moe_intermediate_size=1536, norm_topk_prob=True, routed_scaling_factor=2.5,
+    rope_interleave=True, rms_norm_eps=1e-6, max_position_embeddings=163840,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "beta_fast": 32, "beta_slow": 1},
+    vocab_size=128256, tie_word_embeddings=False, torch_dtype="bfloat16",
+    bos_token_id=128000, eos_token_id=128001)
+DSV3_SMALL = dict(DSV3_8B_ACTIVE, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, q_lora_rank=96, kv_lora_rank=64,
+                  qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=16,
+                  moe_intermediate_size=64, vocab_size=32000)
+SHAPES = {"llama3-8b": (LLAMA3_8B, 131072), "small": (SMALL, 32768),
+          "dsv3-8b-active": (DSV3_8B_ACTIVE, 131072), "dsv3-small": (DSV3_SMALL, 32768)}
 # The rl-bitwise rows keep the 131072-row head they were recorded with (docs/performance.md), though
 # rl-bitwise serves 128256 itself since the last logprob block is completed (docs/numerics.md).
 PADDED_VOCAB = 131072
@@ -69,9 +93,49 @@ def _pool_tokens(rows, page_size: int) -> int:
     return max(bs * _pages(tokens, page_size) for bs, tokens in rows) * page_size
 
 
-def random_runner(shape: str, numerics: str, launch):
+def shape_config(shape: str, layers: int = 0) -> tuple[dict, int]:
+    """(HF config dict, padded vocabulary) of a bench shape; `layers` > 0 replaces its layer count
+    (a shorter model of the same widths, where a full one would not fit a time budget)."""
+    base, padded = SHAPES[shape]
+    return (dict(base, num_hidden_layers=layers) if layers else base), padded
+
+
+def parameter_counts(base: dict) -> dict:
+    """{"total", "active"} parameters of an HF config dict, from the family's own ParamSpecs (no
+    weights): active counts num_experts_per_tok of each routed stack of num_experts experts."""
+    import math
+
+    from jengine.models.config import ModelConfig
+    from jengine.models.registry import get_family
+
+    cfg = ModelConfig.from_hf_dict(base)
+    specs = get_family(cfg.architecture).param_specs(cfg, dtype=cfg.torch_dtype)
+    experts = getattr(cfg, "num_experts", 0)
+    total = active = 0
+    for spec in specs.values():
+        n = math.prod(spec.shape)
+        total += n
+        routed = experts and spec.stacked == experts
+        active += n * cfg.num_experts_per_tok // experts if routed else n
+    return {"total": total, "active": active}
+
+
+def kv_bytes_per_token(base: dict) -> int:
+    """KV-cache bytes one token holds in the model dtype (every layer), as /get_server_info says."""
+    import numpy as np
+
+    from jengine.models.config import ModelConfig
+    from jengine.models.registry import get_family
+
+    cfg = ModelConfig.from_hf_dict(base)
+    spec = get_family(cfg.architecture).kv_cache_spec(cfg)
+    return spec.values_per_token * np.dtype(cfg.torch_dtype).itemsize
+
+
+def random_runner(shape: str, numerics: str, launch, *, layers: int = 0):
     """Resolve the launch, set its XLA flags (before JAX starts), build a ModelRunner of the bench
-    `shape` on random weights (rl-bitwise pads the vocabulary). Returns (runner, plan, loaded)."""
+    `shape` (`layers` of it, see shape_config) on random weights (rl-bitwise pads the
+    vocabulary). Returns (runner, plan, loaded)."""
     from jengine.numerics import resolve_launch
 
     resolved = resolve_launch(launch)
@@ -81,7 +145,7 @@ def random_runner(shape: str, numerics: str, launch):
     from jengine.launch import plan_launch
     from jengine.profiles import override_profile
 
-    base, padded = SHAPES[shape]
+    base, padded = shape_config(shape, layers)
     loaded = _random_llama(base, padded if numerics != "auto" else base["vocab_size"])
     # Timing only: random weights prove nothing about the contract, so the model's verification
     # gate (require_verified_numerics) is overridden while this runner is built, and nothing else.
