@@ -2,8 +2,9 @@
 
 MLA with W_UK absorbed is multi-query attention: every head scores the same latent vector per
 position, ``latent = concat(c [R], k_rope [P])``, and reads back its first R columns. So a program
-holds a tile of TPP consecutive tokens of one request x a block of BH (padded) heads -- all of them
-up to 128 -- as the M dimension of its dots (ROWS = TPP * BH), and reads each latent once for them.
+holds a tile of TPP consecutive tokens of one request x a block of BH (padded) heads -- up to 64,
+two blocks for DeepSeek-V3's 128 -- as the M dimension of its dots (ROWS = TPP * BH), and reads
+each latent once for them.
 
 The algorithm is the dense leaf's (pallas_kernels/_triton_attention_kernels.py), with its helpers:
 fixed splits of SPLIT positions from position 0, KV tiles of BLOCK_N positions, an online softmax

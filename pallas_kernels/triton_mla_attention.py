@@ -47,7 +47,10 @@ BLOCK_N = 32  # KV positions per tile
 BLOCK_K = 64  # latent columns per score dot (R is scored in R / BLOCK_K chained dots)
 SPLIT = 256  # positions per split; a multiple of BLOCK_N
 MIN_ROWS = 16  # tl.dot needs >= 16 rows: fewer (padded) heads are packed with more tokens
-MAX_HEADS_PER_PROGRAM = 128  # DeepSeek's largest head count: all heads of a token in one program
+# At 128 heads in one program the kernel asks for 237,568 bytes of shared memory on the H200 (the
+# limit is 232,448; scripts/gpu_mla_attention.py, first H200 run), so DeepSeek-V3's 128 heads run
+# as two blocks of 64 (each reads the latent once; head blocking changes no bit).
+MAX_HEADS_PER_PROGRAM = 64
 # Value columns per program (the f32 accumulator is ROWS x BV). sm_90 compiles (ptxas -v, no GPU
 # needed): 128 heads x 128 columns at 8 warps spill nothing; 16 heads spill under 100 bytes; 256
 # columns spill more at either head count.

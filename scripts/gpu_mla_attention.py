@@ -227,8 +227,15 @@ def main() -> int:
         check_rows += plans()
         for heads in HEADS:
             for ctx in CONTEXTS:
-                check_rows += checks(heads, ctx)
-                print(f"checked h={heads} ctx={ctx}", flush=True)
+                try:
+                    rows = checks(heads, ctx)
+                except Exception as exc:  # one geometry's failure is a row, not a lost run
+                    rows = [dict(geometry=f"h={heads} ctx={ctx}", check="ran",
+                                 differing=f"{type(exc).__name__}: {str(exc)[:160]}", ok=False)]
+                check_rows += rows
+                for r in rows:
+                    print(f"| {r['geometry']} | {r['check']} | {r['differing']} | {r['ok']} |",
+                          flush=True)
     if not args.skip_timing:
         timing_rows = timings()
     os.makedirs(args.out, exist_ok=True)
