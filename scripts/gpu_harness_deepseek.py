@@ -127,6 +127,8 @@ def main(argv=None) -> int:
                    help="CPU, gpu_acceptance's --smoke widths (hidden 256, 16 experts)")
     p.add_argument("--ep-size", type=int, default=1, help="expert-parallel size (EP4: 4 GPUs)")
     p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--only", choices=[n for n, _ in RUNS], default=None,
+                   help="run one numerics (e.g. the auto control after a passing rl-bitwise run)")
     p.add_argument("--child-timeout", type=int, nargs=2, metavar=("RL", "AUTO"),
                    help="seconds of the rl-bitwise and of the auto harness run (default 120 80; "
                         "--tiny: 1200 1200, a CPU is slower)")
@@ -149,7 +151,8 @@ def main(argv=None) -> int:
           f"{dims['hidden_size']}, {dims['num_hidden_layers']} layers, "
           f"{dims['n_routed_experts']} experts", flush=True)
     runs = {numerics: run_child(numerics, model, timeout, args)
-            for (numerics, _), timeout in zip(RUNS, args.child_timeout)}
+            for (numerics, _), timeout in zip(RUNS, args.child_timeout)
+            if args.only in (None, numerics)}
     table, ok = verdicts(runs)
     head = (f"DeepSeek-V3 invariance harness: hidden {dims['hidden_size']}, {args.layers} layers, "
             f"{dims['n_routed_experts']} experts top-{dims['num_experts_per_tok']}, EP{args.ep_size}, "
