@@ -42,7 +42,15 @@ def _normalize(xf, eps, mean_of_squares):
 
 
 def _fixed_mean(sq):
-    return (tree_sum(sq, axis=-1) / jnp.float32(sq.shape[-1]))[..., None]
+    # An IEEE division by H, as the Triton norm's div_rn. XLA rewrites a division by a constant into
+    # a multiply by its reciprocal, inexact unless H is a power of two, and on the CPU then contracts
+    # that multiply and the `+ eps` after it into one FMA, while the trainer adds eps as its own op:
+    # at DeepSeek-V3's q_lora_rank 1536 about one row in a thousand came out one bf16 ulp apart.
+    # It rewrites a division by any broadcast scalar the same way, so the divisor is a whole array
+    # of H behind an optimization barrier: not a constant, not a broadcast, and the division stays.
+    total = tree_sum(sq, axis=-1)
+    h = lax.optimization_barrier(jnp.full(total.shape, sq.shape[-1], jnp.float32))
+    return (total / h)[..., None]
 
 
 def _native_mean(sq):

@@ -271,3 +271,29 @@ def test_fixed_exp_has_the_same_bits_in_every_program():
     finally:
         fo._EXP_COEFFS = coeffs
     assert count_bit_differences(changed, alone) > 0
+
+
+@pytest.mark.parametrize("width", [96, 1536])
+def test_rmsnorm_variance_is_the_trainers_at_widths_that_are_not_powers_of_two(width):
+    """The leaf inside a jit (where XLA fuses it) against the trainer's op-by-op RMSNorm: the
+    mean twin, `+ eps` as its own torch op, the rsqrt twin, the multiply. Compared before the bf16
+    rounding, so every f32 bit counts. Control: the division as XLA rewrites it (a multiply by the
+    reciprocal of H, contracted with `+ eps` on the CPU) does not match; at a power-of-two width
+    the reciprocal is exact, which is how the mismatch hid from the dense families."""
+    import torch
+
+    rng = np.random.default_rng(width)
+    x = jnp.asarray(rng.standard_normal((2048, width)), jnp.bfloat16).astype(jnp.float32)
+    eps = 1e-6
+    engine = jax.jit(lambda xf: rmsnorm._normalize(xf, eps, rmsnorm._fixed_mean))(x)
+
+    xt = torch.from_numpy(np.asarray(x))
+    var = rmsnorm.mean_fixed_order_torch(xt.pow(2))
+    trainer = (xt * rmsnorm.rsqrt_torch(var + eps)).numpy()
+    assert count_bit_differences(np.asarray(engine), trainer) == 0
+
+    def rewritten_mean(sq):  # what XLA makes of `sum / H` with H a constant
+        return (rmsnorm.tree_sum(sq, axis=-1) / jnp.float32(sq.shape[-1]))[..., None]
+
+    control = jax.jit(lambda xf: rmsnorm._normalize(xf, eps, rewritten_mean))(x)
+    assert count_bit_differences(np.asarray(control), trainer) > 0
