@@ -106,11 +106,31 @@ def _grouped_router_forward(mode, router, hidden_states):
     return router_logits, weights, ids
 
 
+@functools.lru_cache(maxsize=None)
+def _returns_logits(router_cls) -> bool:
+    """Whether the installed router's own forward returns (logits, weights, ids) -- transformers
+    5.24's LongcatFlashTopkRouter -- or (weights, ids), as 5.17's (what the H200 machine has):
+    the MoE block unpacks whichever its version returns, so the replacement must match it. Read
+    from the forward's last `return`, not from a version number."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(router_cls.forward)))
+    returns = [n for n in ast.walk(tree) if isinstance(n, ast.Return) and n.value is not None]
+    value = max(returns, key=lambda n: n.lineno).value
+    arity = len(value.elts) if isinstance(value, ast.Tuple) else 1
+    if arity not in (2, 3):
+        raise TwinError(f"trainer mode: {router_cls.__name__}.forward returns {arity} values; "
+                        "the replacement knows the 2- and 3-value forms")
+    return arity == 3
+
+
 def _softmax_bias_router_forward(mode, router, hidden_states):
-    """LongcatFlashTopkRouter.forward (transformers 5.24) with everything after the f32 classifier
-    GEMM replaced by the router_grouped_topk twin (softmax, one group, no normalisation):
-    -> (router_logits f32, routing weights f32, expert ids int64; ids >= n_routed_experts of the
-    real ones are zero experts)."""
+    """LongcatFlashTopkRouter.forward with everything after the f32 classifier GEMM replaced by
+    the router_grouped_topk twin (softmax, one group, no normalisation): -> (router_logits f32,
+    routing weights f32, expert ids int64; ids >= n_routed_experts of the real ones are zero
+    experts), without the logits where the installed version's forward returns none."""
     if router.classifier.bias is not None:
         raise TwinError("trainer mode: LongcatFlashTopkRouter with router_bias has no engine "
                         "form (the engine's router GEMM has no bias)")
@@ -122,7 +142,7 @@ def _softmax_bias_router_forward(mode, router, hidden_states):
         k=router.top_k, n_group=1, topk_group=1, norm_topk_prob=False,
         routed_scaling_factor=float(router.routed_scaling_factor), score="softmax")
     mode.routed["router_grouped_topk"] += 1
-    return router_logits, weights, ids
+    return (router_logits, weights, ids) if _returns_logits(type(router)) else (weights, ids)
 
 
 def experts_forward(mode, experts, hidden_states, top_k_index, top_k_weights):

@@ -71,6 +71,9 @@
 #                  accept_deepseek_v3's widths (3 layers, the first dense), the invariance harness
 #                  under rl-bitwise (every mode must PASS, T 0 and 1) and auto (the control, T 0);
 #                  a verdict table, EP1 (harness_deepseek_auto: the auto control alone, 200 s)
+#   bisect_mla     scripts/gpu_bisect_mla.py: the accept_deepseek_v3 checkpoint's longest sequence,
+#                  trainer vs the engine's unchunked forward, state by state (norm inputs, router
+#                  logits / ids / weights, o_proj)
 #   mla_decode     scripts/gpu_mla_decode.py: decode step at bs 64, ctx 1024, rl-bitwise and auto,
 #                  of a DeepSeek-V3-shaped model with Llama-3-8B's active parameters per token vs
 #                  the Llama-3-8B shape, both cut to 8 layers: ms, ratio, parameters, KV bytes/token
@@ -139,6 +142,7 @@ for s in "$@"; do
       step weight_update 150 python3 scripts/gpu_weight_update.py --w0 /tmp/rl_llama --work /tmp/wu ;;
     orbax_load) step orbax_load 300 python3 scripts/orbax_load_bench.py --work /tmp/orbax_load ;;
     harness_deepseek) step harness_deepseek 240 python3 scripts/gpu_harness_deepseek.py --out "$out/harness_deepseek" --layers 3 ;;
+    bisect_mla) step bisect_mla 200 python3 scripts/gpu_bisect_mla.py --out "$out/bisect_mla" ;;
     harness_deepseek_auto) step harness_deepseek_auto 240 python3 scripts/gpu_harness_deepseek.py --out "$out/harness_deepseek_auto" --layers 3 --only auto --child-timeout 120 200 ;;
     mla_decode) step mla_decode 300 python3 scripts/gpu_mla_decode.py --out "$out/mla_decode" --layers 8 --child-timeout 70 ;;
     harness_prod_*) step "$s" 300 python3 -m jengine.cli invariance --model "/tmp/acceptance/${s#harness_prod_}" --numerics rl-bitwise --max-new-tokens 8 ;;

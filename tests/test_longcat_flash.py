@@ -197,3 +197,28 @@ def test_rl_bitwise_invariance_harness_passes_chunked_and_retracted(model_dir):
     results = _harness(model_dir, max_new_tokens=4, temperatures=(0.0,), chunk_sizes=(7,),
                        retraction_intervals=(-3,))
     _assert_passes(results, {"packed", "rerun", "prefix-hit", "chunk-7", "retract-3", "overlap-off"})
+
+
+def test_router_replacement_returns_what_the_installed_moe_block_unpacks():
+    """transformers 5.24's LongcatFlashTopkRouter returns (logits, weights, ids), 5.17's (weights,
+    ids) (its MoE block unpacks two: the H200 machine's version failed on three). The replacement
+    reads the arity from the installed forward's source."""
+    from interop.trainer_moe import _returns_logits
+    from transformers.models.longcat_flash import modeling_longcat_flash as hf
+
+    class TwoValueRouter:  # 5.17's shape of the method
+        def forward(self, hidden_states):
+            if hidden_states is None:
+                return None
+            weights, ids = hidden_states.topk(2)
+            return weights.float(), ids
+
+    assert _returns_logits(hf.LongcatFlashTopkRouter) == ("_, topk_weights, topk_indices = "
+                                                           "self.router" in _moe_source(hf))
+    assert _returns_logits(TwoValueRouter) is False
+
+
+def _moe_source(hf):
+    import inspect
+
+    return inspect.getsource(hf)
