@@ -15,8 +15,9 @@ features={"batch_invariant"})``), and each planned leaf's twin is looked up next
 The RMSNorm leaf is a composite (mean of squares, rsqrt, multiplies) while the trainer's HF forward
 runs it op by op, so trainer mode needs the twins of its parts: ``mean_fixed_order_torch`` (the
 fixed-order halving-tree mean over the last axis) and ``rsqrt_torch``, from the planned leaf's
-module when it defines them, else from pallas_kernels.rmsnorm (XLA through DLPack, on any device;
-the Triton norm's tree and libdevice rsqrt are the same arithmetic). Elementwise transcendental
+module when it defines them, else from pallas_kernels.rmsnorm (XLA through DLPack). The Triton norm
+defines its mean (the kernel's tree and div_rn: XLA's division on the GPU is not the kernel's); its
+rsqrt is XLA's, libdevice's as the kernel's. Elementwise transcendental
 functions that are not leaves (cos, sin, pow, exp, log) are routed to XLA's own implementation
 through DLPack on every device, which is what the engine runs for its RoPE tables and logprobs.
 """

@@ -282,6 +282,17 @@ def _rmsnorm_row(xf, w_ptr, offs, ok, eps, H: tl.constexpr, BLOCK: tl.constexpr,
 
 
 @triton.jit
+def mean_kernel(x_ptr, out_ptr, H: tl.constexpr, BLOCK: tl.constexpr, LOG2: tl.constexpr):
+    """One f32 row's mean, as _rmsnorm_row takes it: the halving tree, then div_rn by H. The
+    trainer's `pow(2).mean(-1)` runs this on the GPU, so its variance is the norm kernel's."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < H
+    x = tl.load(x_ptr + row * H + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + row, tl.math.div_rn(halving_tree_sum(x, BLOCK, LOG2), H * 1.0))
+
+
+@triton.jit
 def rmsnorm_kernel(x_ptr, w_ptr, eps, out_ptr,
                    H: tl.constexpr, BLOCK: tl.constexpr, LOG2: tl.constexpr):
     """One row per program: HF RMSNorm (widen, mean of squares, rsqrt, round, * weight, round)."""

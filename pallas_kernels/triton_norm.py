@@ -85,6 +85,28 @@ def rmsnorm_triton_torch(x, weight, *, eps):
     return out
 
 
+def mean_fixed_order_torch(x):
+    """The trainer's ``mean(-1, keepdim=True)`` of an f32 tensor: the norm kernel's variance (its
+    halving tree and div_rn). XLA's division on the GPU is not the kernel's (the first H200 bisect
+    of DeepSeek-V3 found q_lora_rank 1536's norm one row apart, scripts/gpu_bisect_mla.py), so the
+    generic XLA mean twin (pallas_kernels/rmsnorm.py) cannot stand in for this leaf's."""
+    import torch
+
+    if x.dtype != torch.float32:  # not a norm's variance: the generic fixed-order twin
+        from pallas_kernels.rmsnorm import mean_fixed_order_torch as generic
+
+        return generic(x)
+    require_cuda_tensors("mean_fixed_order_torch", x)
+    h = x.shape[-1]
+    rows = contiguous(x).reshape(-1, h)
+    out = torch.empty((rows.shape[0],), dtype=torch.float32, device=x.device)
+    if rows.shape[0]:
+        consts, warps = _launch_params(h)
+        torch_launch(kernels().mean_kernel, (rows,), (out,), (rows.shape[0],),
+                     num_warps=warps, num_stages=1, **consts)
+    return out.reshape(*x.shape[:-1], 1)
+
+
 def add_rmsnorm_triton_torch(x, residual, weight, *, eps):
     import torch
 

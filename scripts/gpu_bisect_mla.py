@@ -54,12 +54,29 @@ def trainer_states(model, ids, device) -> dict:
             handles.append(mod.register_forward_hook(router))
         elif name.endswith("self_attn.o_proj"):
             handles.append(mod.register_forward_hook(lambda m, a, o, name=name: keep(name, o)))
+    from interop import trainer_mla
+
+    original = trainer_mla.twin_mla_attention
+
+    def attention(table, query, latent, **kw):  # the first call is layer 0's
+        out = original(table, query, latent, **kw)
+        for name, x in (("query", query), ("latent", latent), ("out_latent", out)):
+            keep("layers.0.self_attn." + name, x)
+        return out
+
+    trainer_mla.twin_mla_attention = attention
+    attn0 = model.model.layers[0].self_attn
+    handles.append(attn0.q_b_proj.register_forward_hook(
+        lambda m, a, o: keep("layers.0.self_attn.q_b_proj", o)))
+    handles.append(attn0.o_proj.register_forward_hook(
+        lambda m, a, o: keep("layers.0.self_attn.o_proj.input", a[0])))
     mode = trainer_mode.enable(model, device=device)
     try:
         with torch.no_grad():
             logits = model(torch.tensor([ids], device=device), use_cache=False).logits[0]
     finally:
         trainer_mode.disable()
+        trainer_mla.twin_mla_attention = original
         for h in handles:
             h.remove()
     print(mode.summary(), flush=True)
@@ -95,10 +112,18 @@ def engine_states(runner, ids) -> dict:
                     log[f"layers.{layer}.mlp.gate.weights"] = out[1]
                 elif self.kind == "gemm" and name.endswith("self_attn.o_proj"):
                     log.setdefault(name, out)
+                    log.setdefault(name + ".input", a[0])
+                elif self.kind == "gemm" and name == "layers.0.self_attn.q_b_proj":
+                    log.setdefault(name, out)
+                elif self.kind == "mla_attention" and "layers.0.self_attn.query" not in log:
+                    q, pages, tables = a[0], a[1], a[2]
+                    log["layers.0.self_attn.query"] = q
+                    log["layers.0.self_attn.latent"] = pages[tables[0]].reshape(-1, pages.shape[-1])[:t]
+                    log["layers.0.self_attn.out_latent"] = out
                 return out
 
         kern = model.kernels
-        wanted = ("rmsnorm", "router_gemm", "router_grouped_topk", "gemm")
+        wanted = ("rmsnorm", "router_gemm", "router_grouped_topk", "gemm", "mla_attention")
         model.kernels = dataclasses.replace(kern, **{
             f.name: Rec(getattr(kern, f.name), f.name)
             for f in dataclasses.fields(kern) if f.name in wanted})

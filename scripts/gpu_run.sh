@@ -71,6 +71,8 @@
 #                  accept_deepseek_v3's widths (3 layers, the first dense), the invariance harness
 #                  under rl-bitwise (every mode must PASS, T 0 and 1) and auto (the control, T 0);
 #                  a verdict table, EP1 (harness_deepseek_auto: the auto control alone, 200 s)
+#   norm_mean      scripts/gpu_norm_mean.py: the trainer's op-by-op RMSNorm with the Triton mean twin
+#                  (and the XLA one, the control) vs the Triton norm kernel, widths 1536/512/2048/7168
 #   bisect_mla     scripts/gpu_bisect_mla.py: the accept_deepseek_v3 checkpoint's longest sequence,
 #                  trainer vs the engine's unchunked forward, state by state (norm inputs, router
 #                  logits / ids / weights, o_proj)
@@ -142,6 +144,7 @@ for s in "$@"; do
       step weight_update 150 python3 scripts/gpu_weight_update.py --w0 /tmp/rl_llama --work /tmp/wu ;;
     orbax_load) step orbax_load 300 python3 scripts/orbax_load_bench.py --work /tmp/orbax_load ;;
     harness_deepseek) step harness_deepseek 240 python3 scripts/gpu_harness_deepseek.py --out "$out/harness_deepseek" --layers 3 ;;
+    norm_mean) step norm_mean 120 python3 scripts/gpu_norm_mean.py ;;
     bisect_mla) step bisect_mla 200 python3 scripts/gpu_bisect_mla.py --out "$out/bisect_mla" ;;
     harness_deepseek_auto) step harness_deepseek_auto 240 python3 scripts/gpu_harness_deepseek.py --out "$out/harness_deepseek_auto" --layers 3 --only auto --child-timeout 120 200 ;;
     mla_decode) step mla_decode 300 python3 scripts/gpu_mla_decode.py --out "$out/mla_decode" --layers 8 --child-timeout 70 ;;
