@@ -45,35 +45,3 @@ def moe_ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe-checkpoints")
     return {w: make_tiny_hf_model(root / w, "Qwen3MoeForCausalLM", seed=i)
             for i, w in enumerate(("w0", "w1"))}
-
-
-# -- pytest-xdist (.ci/run: `-n 2 --dist loadfile`) ------------------------------------------------
-# Each file runs whole on one worker: most files share a module-scoped engine, server or probe
-# between their tests, which a second worker would build again. The two workers take files in
-# collection order, one at a time, so a file of several minutes taken last leaves one core idle
-# while it finishes: the heaviest files (the last CI's --durations, seconds on 2 loaded cores)
-# start first. A stale list costs minutes, never a result.
-HEAVIEST_FIRST = (
-    "test_docs.py",                # ~300 s: every README/docs block, a server or two
-    "test_tp_engine.py",           # ~230 s: TP engines and harnesses on 8 fake devices
-    "test_production_shapes.py",   # ~230 s: vocab 151936 / 128256 align + harness
-    "test_invariance.py",          # ~180 s: the harness, every mode and family
-    "test_expert_parallel.py",     # ~160 s
-    "test_attention_shapes.py",    # ~150 s: Triton interpreter cases
-    "test_mla_align.py",           # ~140 s
-    "test_longcat_flash.py",       # ~90 s
-    "test_server_abuse.py",        # ~80 s
-    "test_bench.py",               # ~65 s
-)
-
-
-def pytest_configure(config):
-    if getattr(config.option, "dist", "no") == "loadfile":  # the xdist controller
-        config.option.loadscopereorder = False  # xdist would sort files by test count instead
-
-
-def pytest_collection_modifyitems(config, items):
-    if not hasattr(config, "workerinput"):
-        return  # not an xdist worker: one process runs everything anyway, in pytest's order
-    rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep order
