@@ -10,8 +10,8 @@ Conventions (docs/README-style, one place):
 * `jengine serve` / `python -m jengine.serve` runs in the background until the file's last block,
   and must answer /health on its port first. `curl` fails on an HTTP error status.
 * A `pip install` is the install CI has already performed: it is checked to be one of this
-  package's install commands, and the rest of its line runs. README's `python -m pytest` is this
-  suite: it is checked to be what `.ci/run` runs, and not run again from inside itself.
+  package's install commands, and the rest of its line runs. README's `python -m pytest ...` is
+  this suite: it is checked to be exactly what `.ci/run` runs, and not run again from inside itself.
 * `export NAME=value` lines carry over to the file's later blocks.
 
 Also checked: the docs reference only files that exist in the repository.
@@ -76,8 +76,8 @@ class DocRunner:
             for prefix in INSTALLS:
                 if cmd.startswith(prefix):
                     cmd = cmd[len(prefix):]
-            if cmd == "python -m pytest":
-                assert "python -m pytest" in (ROOT / ".ci" / "run").read_text(), where
+            if cmd.startswith("python -m pytest"):
+                assert f"&& {cmd}\n" in (ROOT / ".ci" / "run").read_text(), where
                 continue
             if cmd.startswith(SERVE):
                 self._serve(cmd, where)
@@ -194,7 +194,8 @@ def test_docs_reference_only_files_in_the_repository():
 
 
 def test_the_runner_can_fail(tmp_path):
-    """Negative controls: a failing command, a failing HTTP request and an unknown file are caught."""
+    """Negative controls: a failing command, a failing HTTP request, a failing Python block and a
+    test command other than .ci/run's are caught."""
     runner = DocRunner("README.md", tmp_path)
     with pytest.raises(AssertionError, match="exited"):
         runner.run("bash", "false\n", 1)
@@ -202,5 +203,7 @@ def test_the_runner_can_fail(tmp_path):
         runner.run("bash", "curl -s http://127.0.0.1:9/never\n", 2)
     with pytest.raises(AssertionError, match="exited"):
         runner.run("python", "raise SystemExit(3)\n", 3)
+    with pytest.raises(AssertionError, match="README.md:4"):  # not the suite .ci/run runs
+        runner.run("bash", "python -m pytest -k nothing\n", 4)
     assert DocRunner._commands("a \\\n  b\ncurl -d '{\n  \"x\": 1}'\n# comment\n") == [
         "a   b", "curl -d '{\n  \"x\": 1}'"]
