@@ -115,7 +115,9 @@ def test_negative_control_harness_catches_a_batch_variant_leaf(lying_gemm_leaf):
     assert any(r.divergences for r in results if r.mode in ("packed", "chunk-7"))
 
 
-@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
+@pytest.mark.parametrize("architecture", [
+    # CI time: Qwen2 (qkv bias, tied head) runs in CI; Llama is Qwen3 without q/k norm
+    pytest.param("LlamaForCausalLM", marks=pytest.mark.slow), "Qwen2ForCausalLM"])
 def test_rl_bitwise_other_dense_families(tmp_path, architecture):
     """The declared families beyond tiny's Qwen3, on tiny random checkpoints (vocab 32768): every
     mode at T=0 and T=1, with one chunk size and one retraction interval to keep CI short."""

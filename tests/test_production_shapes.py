@@ -100,5 +100,6 @@ def test_qwen3_head_dim_128_invariance_harness(qwen3):
     assert diverged == [], "\n".join(lines + diverged)
 
 
+@pytest.mark.slow  # CI time: the Qwen3 case above keeps production head geometry and vocabulary
 def test_llama31_rope_gqa_8_vocab_128256_aligns(workdir):
     _align(workdir, "llama31", "LlamaForCausalLM", LLAMA31)

@@ -9,7 +9,8 @@ topology  the tiny model's recorded goldens (tests/goldens/cpu.json, one device)
           its heads; TP4 and TP8 replicate KV heads) at TP1, TP2, TP4, TP8 with `all`, and at TP8
           with `off`, on the same greedy and seeded T=1 requests with prompt logprobs and top-k
           (at TP2 scored by the vocab-parallel head, at TP4/TP8 from gathered logits).
-harness   the invariance harness (jengine/invariance.py) at TP2 and TP4 under rl-bitwise, and its
+harness   the invariance harness (jengine/invariance.py) at TP2 under rl-bitwise (harness_tp4: at
+          TP4, a slow test), and its
           auto control at TP2 in float32 (one engine: packed, rerun, prefix hit).
 """
 
@@ -101,30 +102,36 @@ def topology() -> dict:
     return result
 
 
-def harness() -> dict:
-    def run(numerics, variants=True, **launch):
-        cfg = HarnessConfig(numerics=numerics, prompts=DEFAULT_PROMPTS[:3], max_new_tokens=5,
-                            chunk_sizes=(7,) if variants else (),
-                            retraction_intervals=(-3,) if variants else (),
-                            launch=tuple(launch.items()))
-        lines = []
-        results = InvarianceHarness(cfg).run(report=lines.append)
-        return {"modes": sorted({r.mode for r in results}),
-                "temperatures": sorted({r.temperature for r in results}),
-                "compared_values": sum(r.compared_values for r in results),
-                "divergences": [str(d) for r in results for d in r.divergences],
-                "table": lines[0]}
+def _harness_run(numerics, variants=True, **launch):
+    cfg = HarnessConfig(numerics=numerics, prompts=DEFAULT_PROMPTS[:3], max_new_tokens=5,
+                        chunk_sizes=(7,) if variants else (),
+                        retraction_intervals=(-3,) if variants else (),
+                        launch=tuple(launch.items()))
+    lines = []
+    results = InvarianceHarness(cfg).run(report=lines.append)
+    return {"modes": sorted({r.mode for r in results}),
+            "temperatures": sorted({r.temperature for r in results}),
+            "compared_values": sum(r.compared_values for r in results),
+            "divergences": [str(d) for r in results for d in r.divergences],
+            "table": lines[0]}
 
+
+def harness() -> dict:
     return {
-        "rl-bitwise tp2 off": run("rl-bitwise", tp_size=2),
-        # one engine (packed, rerun, prefix hit): chunking and retraction ran at TP2 above
-        "rl-bitwise tp4 all": run("rl-bitwise", variants=False, tp_size=4, tp_batch_invariant="all"),
+        "rl-bitwise tp2 off": _harness_run("rl-bitwise", tp_size=2),
         # The control: XLA's own dot in f32 changes its blocking with the row count (measured at
         # the runner level in tests/tp_probe.py), and psum has no promised order.
-        "auto tp2 f32": run("auto", variants=False, tp_size=2, dtype="float32"),
+        "auto tp2 f32": _harness_run("auto", variants=False, tp_size=2, dtype="float32"),
     }
+
+
+def harness_tp4() -> dict:
+    # one engine (packed, rerun, prefix hit): chunking and retraction ran at TP2 (`harness`)
+    return {"rl-bitwise tp4 all": _harness_run("rl-bitwise", variants=False, tp_size=4,
+                                               tp_batch_invariant="all")}
 
 
 if __name__ == "__main__":
     section = sys.argv[1]
-    print(json.dumps({"topology": topology, "harness": harness}[section]()))
+    print(json.dumps({"topology": topology, "harness": harness,
+                      "harness_tp4": harness_tp4}[section]()))
