@@ -14,8 +14,8 @@ two routings (random; skewed: every token to experts 0..7, the largest groups):
   control (fatal) the same comparison with the tile -> expert map shifted by one finds
           differences: the check can fail.
   timing  (reported) one MoE layer's experts, routed (routed_expert_outputs: three grouped
-          launches) vs dense (every expert on every row, the path moe.py ran before), medians of
-          --iters after two warm-up calls, ms, for --timing-ts.
+          launches) vs dense (every expert on every row, the path moe.py ran before, as a scan over
+          the experts), medians of --iters after two warm-up calls, ms, for --timing-ts.
 
 `--device cpu` runs the same code with the CPU's fixed-order leaves (`--small` shrinks the widths);
 that is how this script is checked off the GPU. Prints a table, then one line of JSON (the
@@ -168,13 +168,20 @@ def timings(kern, dims, tokens, iters: int, rng) -> list[dict]:
 
     @jax.jit
     def dense(x, ids, w):
-        """The path moe.py ran before the routed one: every expert on every row (gate/up as one
-        grouped gemm launch, down one gemm per expert), the weight inside the activation."""
+        """The path moe.py ran before the routed one: every expert on every row, the weight
+        inside the activation. One expert per iteration of a scan (three gemm launches each):
+        the same work as moe.py's unrolled launches, but one compiled body instead of 3E, which
+        at E = 128 did not finish compiling within a device step."""
         row_w = expert_row_weights(ids, w.astype(jnp.bfloat16), e)                   # [E, T]
-        proj = kern.gemm_group(x, tuple(gw[j] for j in range(e)) + tuple(uw[j] for j in range(e)),
-                               None, out_dtype=jnp.bfloat16)
-        per_expert = jnp.stack([kern.gemm(kern.silu(proj[j]) * proj[e + j] * row_w[j][:, None],
-                                          dw[j], None, out_dtype=jnp.bfloat16) for j in range(e)])
+
+        def one_expert(_, args):
+            g, u, d, rw = args
+            gate = kern.gemm(x, g, None, out_dtype=jnp.bfloat16)
+            up = kern.gemm(x, u, None, out_dtype=jnp.bfloat16)
+            return None, kern.gemm(kern.silu(gate) * up * rw[:, None], d, None,
+                                   out_dtype=jnp.bfloat16)
+
+        _, per_expert = jax.lax.scan(one_expert, None, (gw, uw, dw, row_w))      # [E, T, H]
         selected = per_expert[ids, jnp.arange(x.shape[0])[:, None]]
         return slot_order_sum(selected).astype(jnp.bfloat16)
 
