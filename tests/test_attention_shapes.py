@@ -30,7 +30,9 @@ from pallas_kernels import attention as portable  # noqa: E402
 torch = pytest.importorskip("torch")
 
 N, PAGE = 320, 16
-GEOMETRIES = [(8, 2, 128), (8, 1, 128), (8, 2, 64), (16, 2, 64)]  # (Hq, Hkv, D): 4:1 and 8:1
+# (Hq, Hkv, D): 4:1 and 8:1. CI time: 16 query heads at D 64 is slow-only (D 64 and 8:1 each keep a
+# CI geometry; it was the costliest one under the Triton interpreter).
+GEOMETRIES = [(8, 2, 128), (8, 1, 128), (8, 2, 64), pytest.param((16, 2, 64), marks=pytest.mark.slow)]
 CHUNKS = (1, 7, 64)
 
 

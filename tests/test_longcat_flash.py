@@ -183,6 +183,7 @@ def test_trainer_mode_routes_and_restores_every_longcat_module(model_dir):
     assert model.model.layers[0].mlp.router.classifier.weight.grad is not None
 
 
+@pytest.mark.slow  # CI time: LongCat's MLA and MoE pieces run the harness in CI as DeepSeek-V3
 def test_rl_bitwise_invariance_harness_passes(model_dir):
     """CI size: alone / packed / rerun / prefix hit / overlap off, T=0 (chunking and retraction are
     the engine's, covered on every other family in CI; the slow test below adds them here)."""

@@ -85,6 +85,7 @@ def test_qwen3_head_dim_128_vocab_151936_aligns(qwen3):
     assert (qwen3 / "config.json").exists()  # the fixture ran the alignment and asserted it
 
 
+@pytest.mark.slow  # CI time: the head_dim-128 attention stays in CI leaf by leaf (test_attention_shapes)
 def test_qwen3_head_dim_128_invariance_harness(qwen3):
     # One chunk size and one retraction interval (the tiny model runs every mode, test_invariance.py):
     # each variant is a fresh engine at vocabulary 151936, the suite's costliest shape.

@@ -22,6 +22,11 @@ def harness_tp4():
     return run_probe("tp_engine_probe.py", "harness_tp4")
 
 
+@pytest.fixture(scope="module")
+def harness_tp2_variants():
+    return run_probe("tp_engine_probe.py", "harness_tp2_variants")
+
+
 def test_tp2_all_replays_the_one_device_goldens(topology):
     """The tiny model's goldens (recorded on one device: greedy, seeded T=1, n=2 with top-p,
     prompt logprobs with top-k, a packed teacher-forced batch; chunked prefill at 8 tokens, the
@@ -76,16 +81,20 @@ def test_server_info_reports_the_layout_and_invariances(topology):
     assert info["invariances"] == {"run": True, "batch": True, "topology": True}
 
 
-@pytest.mark.parametrize("name, modes", [
-    ("rl-bitwise tp2 off", ["chunk-7", "overlap-off", "packed", "prefix-hit", "rerun", "retract-3"]),
-    # CI time: TP4's layout is in the topology test above (TP1 = TP2 = TP4 = TP8 bitwise)
-    pytest.param("rl-bitwise tp4 all", ["overlap-off", "packed", "prefix-hit", "rerun"],
-                 marks=pytest.mark.slow)])
-def test_invariance_harness_passes_at_tp(request, name, modes):
-    """packed with random co-batches, rerun, prefix hit off a page boundary (and at TP2 chunked
-    prefill 7 and forced retraction mid-prefill, -3), greedy and T=1: bitwise equal to the request
-    alone."""
-    run = request.getfixturevalue("harness_tp4" if "tp4" in name else "harness")[name]
+@pytest.mark.parametrize("fixture, name, modes", [
+    ("harness", "rl-bitwise tp2 off", ["overlap-off", "packed", "prefix-hit", "rerun"]),
+    # CI time: chunking and retraction are the scheduler's (TP-agnostic, in CI on one device), and
+    # TP4's layout is in the topology test above (TP1 = TP2 = TP4 = TP8 bitwise)
+    pytest.param("harness_tp2_variants", "rl-bitwise tp2 off, chunked and retracted",
+                 ["chunk-7", "overlap-off", "packed", "prefix-hit", "rerun", "retract-3"],
+                 marks=pytest.mark.slow),
+    pytest.param("harness_tp4", "rl-bitwise tp4 all", ["overlap-off", "packed", "prefix-hit",
+                                                       "rerun"], marks=pytest.mark.slow)])
+def test_invariance_harness_passes_at_tp(request, fixture, name, modes):
+    """packed with random co-batches, rerun, prefix hit off a page boundary, overlap off (and in the
+    slow variant chunked prefill 7 and forced retraction mid-prefill, -3), greedy and T=1: bitwise
+    equal to the request alone."""
+    run = request.getfixturevalue(fixture)[name]
     assert run["modes"] == modes
     assert run["temperatures"] == [0.0, 1.0] and run["compared_values"] > 0
     assert run["divergences"] == [], run["table"]
