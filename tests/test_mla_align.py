@@ -209,6 +209,7 @@ def lying_mla_leaf():
     REGISTRY.unregister("attention", "mla_paged", "test_lying_leaf")
 
 
+@pytest.mark.slow  # CI time: the harness's CI control is tests/test_invariance.py's (same harness code)
 def test_negative_control_harness_catches_a_batch_variant_mla_leaf(model_dir, lying_mla_leaf):
     results = _harness(model_dir, max_new_tokens=3, temperatures=(0.0,), chunk_sizes=(7,),
                        retraction_intervals=())
