@@ -39,6 +39,8 @@
 #                  and skewed routings; a shifted-map control), torch == JAX launch, and one
 #                  layer's experts routed vs dense (ms medians); last line: a JSON summary
 #   grouped_gemm_quick  the same at T 1, 64 (bits) and 1..4096 (timing), 5 iterations
+#   grouped_gemm_timing the timings alone (routed vs dense, T 1 / 64 / 1024 / 4096), progress per
+#                  phase and a stack dump at 150 s
 #   router_grouped scripts/gpu_router_grouped.py: the (moe, router_grouped_topk) torch leaf vs HF's
 #                  live DeepseekV3TopkRouter on CUDA (ids in slot order, weight bits; random, tied,
 #                  group-tied, near-tied; E 16/64/256, groups 1/4/8, norm on/off)
@@ -128,6 +130,7 @@ for s in "$@"; do
     router_topk_big) step router_topk_big 300 python3 scripts/gpu_router_topk.py --experts 256 --ks 6 8 12 16 33 50 --out "$out/router_topk_big" ;;
     router_topk_full) step router_topk_full 590 python3 scripts/gpu_router_topk.py --out "$out/router_topk" ;;
     grouped_gemm_quick) step grouped_gemm_quick 240 python3 scripts/gpu_grouped_gemm.py --tokens 1 64 --timing-ts 1 64 1024 4096 --iters 5 --out "$out/grouped_gemm" ;;
+    grouped_gemm_timing) step grouped_gemm_timing 200 python3 -X faulthandler scripts/gpu_grouped_gemm.py --skip-bits --timing-ts 1 64 1024 4096 --iters 5 --watchdog 150 --out "$out/grouped_gemm_timing" ;;
     grouped_gemm) step grouped_gemm 540 python3 scripts/gpu_grouped_gemm.py --out "$out/grouped_gemm" ;;
     router_grouped) step router_grouped 300 env JAX_PLATFORMS=cpu python3 scripts/gpu_router_grouped.py --out "$out/router_grouped" ;;
     align_*) step "$s" 150 bash scripts/gpu_align.sh "$out/$s" "${s#align_}" ;;
