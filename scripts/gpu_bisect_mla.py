@@ -2,7 +2,8 @@
 engine's own forward over one sequence, state by state, layer by layer.
 
     python3 scripts/gpu_bisect_mla.py --out DIR [--case deepseek_v3|longcat] [--seq 2] [--smoke]
-                                      [--perturb STATE:ROW]       (gpu_run.sh: bisect_mla, bisect_longcat)
+                                      [--perturb STATE:ROW]
+    (gpu_run.sh: bisect_mla, bisect_longcat = --case longcat)
 
 interop/bisect.py names a dense GQA layer's ops only; this covers DeepSeek-V3's and LongCat-Flash's
 layers with the states that have a clear counterpart on both sides, named as the engine's
@@ -25,9 +26,11 @@ no paging beyond one table). Prints, per state in the trainer's execution order,
 differ and the first of them: if none differs while the alignment of the same sequence fails, the
 difference is in how the engine chunks or pages it.
 
---perturb STATE:ROW, the negative control: after the plain bisect, the engine runs again with one
-ulp added to column 0 of row ROW of the RMSNorm input STATE (engine side only); the bisect must
+--perturb STATE:ROW, the negative control: after the plain bisect, the engine runs again with
+column 0 of row ROW of the RMSNorm input STATE one ulp further from zero (engine side only); it must
 name STATE and ROW as the first difference, every state before it equal (exit 1 otherwise).
+E.g. `--case longcat --smoke --seq 0 --perturb layers.1.input_layernorm.1:40`, what
+tests/test_bisect_mla.py runs (-m slow).
 """
 
 from __future__ import annotations
@@ -94,7 +97,8 @@ def trainer_states(model, ids, device) -> tuple[dict, object]:
 
     # The twins see what the modules' outputs do not show (on every transformers version: 5.17's
     # LongCat router returns no logits): the MLA leaf's operands, the router's logits.
-    mla_original, route_original = trainer_mla.twin_mla_attention, trainer_moe.twin_router_grouped_topk
+    mla_original = trainer_mla.twin_mla_attention
+    route_original = trainer_moe.twin_router_grouped_topk
     calls = iter(blocks)
 
     def attention(table, query, latent, **kw):
@@ -127,7 +131,7 @@ def trainer_states(model, ids, device) -> tuple[dict, object]:
 
 
 def _one_ulp_up(x, row: int):
-    """x with one ulp added to x[row, 0] (its bits + 1)."""
+    """x with x[row, 0] moved one ulp away from zero (its bits + 1)."""
     import jax
     import jax.numpy as jnp
 
@@ -318,7 +322,7 @@ def main(argv=None) -> int:
             ok = failure is None
             summary["control"] = {"perturbed": args.perturb, "named": ok, "failure": failure,
                                   "first_differing": control["first_differing"]}
-            print(f"negative control (engine {perturb[0]} row {perturb[1]} one ulp up): "
+            print(f"negative control (engine {perturb[0]} row {perturb[1]} moved one ulp): "
                   f"{'PASS, the bisect names it' if ok else 'FAIL: ' + failure}; first differing "
                   f"{control['first_differing']}", flush=True)
     finally:
