@@ -76,8 +76,9 @@
 #   norm_mean      scripts/gpu_norm_mean.py: the trainer's op-by-op RMSNorm with the Triton mean twin
 #                  (and the XLA one, the control) vs the Triton norm kernel, widths 1536/512/2048/7168
 #   bisect_mla     scripts/gpu_bisect_mla.py: the accept_deepseek_v3 checkpoint's longest sequence,
-#                  trainer vs the engine's unchunked forward, state by state (norm inputs, router
-#                  logits / ids / weights, o_proj)
+#                  trainer vs the engine's unchunked forward, state by state (norm and block
+#                  inputs, MLA operands, router logits / ids / weights, experts, o_proj)
+#   bisect_longcat the same with --case longcat: accept_longcat's checkpoint, both blocks per layer
 #   mla_decode     scripts/gpu_mla_decode.py: decode step at bs 64, ctx 1024, rl-bitwise and auto,
 #                  of a DeepSeek-V3-shaped model with Llama-3-8B's active parameters per token vs
 #                  the Llama-3-8B shape, both cut to 8 layers: ms, ratio, parameters, KV bytes/token
@@ -149,6 +150,7 @@ for s in "$@"; do
     harness_deepseek) step harness_deepseek 240 python3 scripts/gpu_harness_deepseek.py --out "$out/harness_deepseek" --layers 3 ;;
     norm_mean) step norm_mean 120 python3 scripts/gpu_norm_mean.py ;;
     bisect_mla) step bisect_mla 200 python3 scripts/gpu_bisect_mla.py --out "$out/bisect_mla" ;;
+    bisect_longcat) step bisect_longcat 200 python3 scripts/gpu_bisect_mla.py --case longcat --out "$out/bisect_longcat" ;;
     harness_deepseek_auto) step harness_deepseek_auto 240 python3 scripts/gpu_harness_deepseek.py --out "$out/harness_deepseek_auto" --layers 3 --only auto --child-timeout 120 200 ;;
     mla_decode) step mla_decode 300 python3 scripts/gpu_mla_decode.py --out "$out/mla_decode" --layers 8 --child-timeout 70 ;;
     harness_prod_*) step "$s" 300 python3 -m jengine.cli invariance --model "/tmp/acceptance/${s#harness_prod_}" --numerics rl-bitwise --max-new-tokens 8 ;;
