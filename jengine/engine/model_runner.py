@@ -37,12 +37,13 @@ from jengine.engine.batch import StepBatch, fill_placeholders
 from jengine.engine.expert_placement import ExpertPlacementState
 from jengine.engine.kv_pool import KVPool
 from jengine.engine.placement import RunnerPlacement
+from jengine.engine.served_params import ServedParams
+from jengine.engine.vocab_scoring import VocabParallelScoring
 from jengine.launch import RunnerConfig
 from jengine.models.kv_cache import NULL_PAGE
 from jengine.models.layers.param import OverlaySource, weight_source
 from jengine.models.registry import get_family
 from pallas_kernels.fixed_order import next_pow2
-from sharding.vocab_parallel import make_vocab_parallel_head
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +85,11 @@ class ModelRunner:
             del model
         # The jitted programs take the parameters as one flat tuple: jit flattens a tuple of arrays
         # in C++, an nnx.State (hundreds of leaves) through Python callbacks -- host time each step.
-        self._params, self._state_def = jax.tree.flatten(state)
+        leaves, self._state_def = jax.tree.flatten(state)
         paths = [jax.tree_util.keystr(path) for path, _ in jax.tree.flatten_with_path(state)[0]]
         self._head_index = next(i for i, path in enumerate(paths)
                                 if path.startswith("['lm_head']['weight']"))
-        self._params = self._finish_params(tuple(self._params))
-        self._host_params: tuple | None = None  # while the weights are released (release_weights)
+        self.params = ServedParams(self.placement.finish_params(tuple(leaves), self._head_index))
         if self.eplb is not None:
             self.eplb.locate(paths)
 
@@ -113,10 +113,12 @@ class ModelRunner:
         self._forward = jax.jit(forward, donate_argnums=(1,))
         self._fill_placeholders = jax.jit(fill_placeholders)
         self._logits_rows = jax.jit(logits_rows)
-        self._vocab_parallel_heads = {}  # the Sampler's plans -> vocab_parallel_head's program
+        self._scoring = VocabParallelScoring(self.placement, self._model, MIN_LOGIT_BUCKET)
 
-    def _finish_params(self, params: tuple) -> tuple:
-        return self.placement.finish_params(params, self._head_index)
+    @property
+    def _params(self) -> tuple | None:
+        """The served parameter tuple every step program takes (None while released)."""
+        return self.params.arrays
 
     def _build_model(self, weights):
         o = self.options
@@ -167,54 +169,33 @@ class ModelRunner:
         them); every other parameter keeps its current array (`OverlaySource`).
         """
         if only is not None:
-            model = self._model(self._live_params())
+            model = self._model(self.params.live())
             named, specs = model.named_parameters(), self.param_specs()
-            # the model's own columns (_finish_params pads the rebuilt head)
+            # the model's own columns (finish_params pads the rebuilt head)
             named["lm_head.weight"] = self.placement.unpad_head(named["lm_head.weight"])
             if self.eplb is not None:
                 self.eplb.logical_experts(named)
             weights = OverlaySource(weights, {specs[p]: named[p] for p in specs})
         with jax.default_device(self.placement.home):
             _, state = nnx.split(self._build_model(weights))
-        return self._finish_params(tuple(jax.tree.leaves(state)))
+        return self.placement.finish_params(tuple(jax.tree.leaves(state)), self._head_index)
 
+    # -- swaps and memory release (jengine/engine/served_params.py) -----------------------------------
     def swap_params(self, params: tuple) -> None:
-        """Serve `params` from the next step on. Same shapes and dtypes as the current tuple, so
-        the compiled step programs are reused (a difference here would be a runner bug)."""
-        old = self._host_params if self._params is None else self._params
-        for i, (new, cur) in enumerate(zip(params, old, strict=True)):
-            if new.shape != cur.shape or new.dtype != cur.dtype:
-                raise ValueError(f"parameter {i}: {new.shape} {new.dtype} would replace "
-                                 f"{cur.shape} {cur.dtype}")
-        self._params, self._host_params = tuple(params), None
+        """Serve `params` (same shapes and dtypes) from the next step on (`ServedParams.swap`)."""
+        self.params.swap(params)
 
-    def _live_params(self) -> tuple:
-        if self._params is None:
-            raise RuntimeError("the weights are released; resume them first")
-        return self._params
-
-    # -- memory release ----------------------------------------------------------------------------
     @property
     def weights_released(self) -> bool:
-        return self._params is None
+        return self.params.released
 
     def release_weights(self) -> None:
         """Copy the parameters to the host, then free their device buffers now. `resume_weights`
         puts the same bytes back on the same placement (a weight update also ends the release)."""
-        if self._params is None:
-            return
-        # An uncommitted array goes back uncommitted: committed-ness is part of the jit cache key.
-        self._placements = tuple(p.sharding if p.committed else None for p in self._params)
-        self._host_params = tuple(np.asarray(p) for p in self._params)
-        for p in self._params:
-            p.delete()
-        self._params = None
+        self.params.release()
 
     def resume_weights(self) -> None:
-        if self._params is None:
-            self._params = tuple(jax.device_put(h, s)
-                                 for h, s in zip(self._host_params, self._placements))
-            self._host_params = None
+        self.params.resume()
 
     def _model(self, params):
         return nnx.merge(self._graphdef, jax.tree.unflatten(self._state_def, params))
@@ -285,7 +266,7 @@ class ModelRunner:
         the new arrays have the old shapes and placements, so no step program is compiled."""
         if self.eplb is None:
             raise ValueError("rebalance_experts: this launch has no --enable-eplb")
-        params, report = self.eplb.rebalance(self._live_params(), placement)
+        params, report = self.eplb.rebalance(self.params.live(), placement)
         self.swap_params(params)
         return report
 
@@ -303,33 +284,12 @@ class ModelRunner:
         idx[: len(rows)] = rows
         return self._logits_rows(self._params, hidden_padded, idx)
 
-    # -- the vocab-parallel head (sharding/vocab_parallel.py) --------------------------------------
+    # -- the vocab-parallel head (jengine/engine/vocab_scoring.py) -------------------------------------
     def scores_without_gather(self, sampler) -> bool:
         """Whether `score_rows` can serve `sampler`'s greedy tokens, logprobs and top-k here: TP > 1
         and a blockwise logprob order whose blocks each sit on one rank (else the step gathers the
         logits and the Sampler scores them: the same bits, [rows, V] f32 moved per step)."""
-        return self._vocab_parallel_head(sampler) is not None
-
-    def _vocab_parallel_head(self, sampler):
-        if self.placement.tp is None:
-            return None
-        key = tuple(sorted(sampler.describe().items()))
-        if key not in self._vocab_parallel_heads:
-            def local_logits(params, hidden):  # the LM head without tp: this rank's columns
-                model = self._model(params)
-                return model.lm_head(model.kernels, hidden, out_dtype=model.dtype)
-
-            try:
-                head = make_vocab_parallel_head(
-                    self.placement.mesh, tuple(p.sharding.spec for p in self._params), local_logits,
-                    order=sampler.logprob_order, block_sumexp_plan=sampler.block_sumexp_plan,
-                    argmax_plan=sampler.argmax_plan, vocab_size=sampler.vocab_size,
-                    head_columns=sampler.vocab_size + self.placement.head_pad)
-            except ValueError as e:
-                logger.info("the step gathers the logits: %s", e)
-                head = None
-            self._vocab_parallel_heads[key] = head
-        return self._vocab_parallel_heads[key]
+        return self._scoring.head(sampler, self._params) is not None
 
     def score_rows(self, hidden_padded: jax.Array, rows, sampler, *, target_ids=None,
                    k: int = 0) -> tuple[np.ndarray, np.ndarray, tuple | None]:
@@ -337,20 +297,8 @@ class ModelRunner:
         of the greedy ids when None --, (top-k values, ids) or None), with the bits `sampler`
         gives on `logits_at` (canonical argmax, `token_logprobs`, `top_logprobs`), while every
         rank keeps its own logits columns. Only where `scores_without_gather(sampler)`."""
-        head = self._vocab_parallel_head(sampler)
-        if head is None:
-            raise ValueError("score_rows: no vocab-parallel head here (tp_size=1, or a logprob "
-                             "order whose blocks straddle ranks); use logits_at and the Sampler")
-        n = len(rows)
-        bucket = next_pow2(n, MIN_LOGIT_BUCKET)  # logits_at's buckets
-        idx, ids = np.zeros(bucket, np.int32), np.zeros(bucket, np.int32)
-        idx[:n] = rows
-        if target_ids is not None:
-            ids[:n] = target_ids
-        greedy, logprobs, values, top_ids = head(self._params, hidden_padded, idx, ids,
-                                                 greedy_targets=target_ids is None, k=k)
-        tops = (np.asarray(values)[:n], np.asarray(top_ids)[:n]) if k else None
-        return np.asarray(greedy)[:n].astype(np.int32), np.asarray(logprobs)[:n], tops
+        return self._scoring.score_rows(self._params, hidden_padded, rows, sampler,
+                                        target_ids=target_ids, k=k)
 
     # -- page images (prefix-cache copy-on-write, retraction) --------------------------------------
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
