@@ -62,7 +62,7 @@ def main():
         with Engine(model_path=model, numerics="rl-bitwise", eplb_rebalance_num_iterations=3,
                     **EPLB, **OPTIONS) as eng:
             runner = eng.runner
-            maps = [runner.expert_placement.tolist()]
+            maps = [runner.eplb.placement.tolist()]
             compiled = []
 
             def rebalance():  # between two requests, on request
@@ -71,10 +71,10 @@ def main():
 
             out["eplb"] = run_all(eng, between=rebalance)
             compiled.append(runner._forward._cache_size())
-            out["eplb_maps"] = maps + [runner.expert_placement.tolist()]
-            out["eplb_rebalances"] = runner.eplb_rebalances
+            out["eplb_maps"] = maps + [runner.eplb.placement.tolist()]
+            out["eplb_rebalances"] = runner.eplb.rebalances
             out["eplb_step_programs"] = compiled
-            out["physical_slots"] = int(runner._params[runner._eplb_slots[0][1][0]].shape[0])
+            out["physical_slots"] = int(runner._params[runner.eplb.slots[0][1][0]].shape[0])
 
         with Engine(model_path=model, numerics="auto", moe_combine_order="rank",
                     disable_radix_cache=True, **EPLB, **OPTIONS) as eng:

@@ -89,12 +89,12 @@ def main():
             seen["w0"] = observe(eng)
             if mode == "outputs":  # the greedy placement of the measured load
                 eng.rebalance_experts()
-            placement = eng.runner.expert_placement.tolist()
+            placement = eng.runner.eplb.placement.tolist()
             eng.update_weights_from_tensor(layer_experts_fused(w1))
             seen["partial"] = observe(eng)
             eng.update_weights_from_disk(str(w1))
             seen["full"] = observe(eng)
-            out["placements"] = [placement, eng.runner.expert_placement.tolist()]
+            out["placements"] = [placement, eng.runner.eplb.placement.tolist()]
         location.write_text(json.dumps({"physical_to_logical": placement}))
         fresh = dict(launch, init_expert_location=str(location))
         with Engine(model_path=str(mixed_checkpoint(w0, w1, tmp / "mixed")), **fresh) as eng:

@@ -68,7 +68,7 @@ def test_a_partial_update_regathers_every_layers_slots(update_params):
     from disk, every parameter bit -- physical slots and maps -- equals a fresh engine's started
     from those weights with that placement -- the untouched layer 0's slots too, which a gather from
     the held slots as if they were logical experts would scramble on this placement (measured: it
-    did, before ModelRunner._logical_experts). Controls: each update changed bits."""
+    did, before ExpertPlacementState.logical_experts). Controls: each update changed bits."""
     diff = update_params["differing"]
     assert update_params["placements"][0] == update_params["placements"][1]
     assert update_params["placements"][0][0] == [1, 0, 7, 6, 5, 4, 3, 2, 1, 0]
