@@ -1,13 +1,15 @@
 """Expert parallelism on 8 fake CPU devices, measured and printed as one JSON object.
 
-Run by tests/test_expert_parallel.py in a subprocess. A tiny random MoE model -- Qwen3-MoE (8
-experts, top-4), or with the argument `deepseek` DeepSeek-V3 (interop.testing's: layer 0 dense,
-two MoE layers of 16 experts, top-4, a shared expert) -- in float32 under the rl-bitwise kernel
-plans (fixed-order GEMMs; Qwen3-MoE's stable router leaf, DeepSeek-V3's torch one) at EP 1, 2, 4
-and 8 (DeepSeek: 1 and 4): teacher-forced logits of two prompts, alone and packed; the collectives
-of the EP4 step program; `--moe-combine-order rank` at EP4 against slot at EP1; for Qwen3-MoE the
-all-to-all dispatch alone on stand-in experts (`dispatch_cases`); with the argument `harness`, also
-the invariance harness at EP4. Every entry is a measurement; the assertions live in the test.
+Run by tests/test_expert_parallel.py in a subprocess: one process measures both tiny random MoE
+models (starting 8 fake devices and compiling the shared small programs once), each under its key
+-- `qwen3_moe` (8 experts, top-4) and `deepseek_v3` (interop.testing's: layer 0 dense, two MoE
+layers of 16 experts, top-4, a shared expert) -- in float32 under the rl-bitwise kernel plans
+(fixed-order GEMMs; Qwen3-MoE's stable router leaf, DeepSeek-V3's torch one) at EP 1, 2, 4 and 8
+(DeepSeek: 1 and 4): teacher-forced logits of two prompts, alone and packed; the collectives of the
+EP4 step program; `--moe-combine-order rank` at EP4 against slot at EP1; for Qwen3-MoE the
+all-to-all dispatch alone on stand-in experts (`dispatch_cases`). With the argument `harness`, the
+invariance harness at EP4 of each model instead (a slow test). Every entry is a measurement; the
+assertions live in the test.
 """
 
 import dataclasses
@@ -32,12 +34,12 @@ from jengine.numerics import resolve_launch  # noqa: E402
 from jengine.profiles import override_profile  # noqa: E402
 from tests.tp_probe import differing, logits_of  # noqa: E402
 
-# architecture -> (the tiny checkpoint's overrides, its first MoE layer, the router leaf: the
-# grouped router has `torch` (rl-bitwise's pin) and `auto`, which is its stable leaf), the EP sizes
-# of the slot combine (DeepSeek's three layers: 1 and 4 only, to keep CI time)
-MODELS = {"Qwen3MoeForCausalLM": ({"num_experts_per_tok": 4}, 0, "stable", (1, 2, 4, 8)),
-          "DeepseekV3ForCausalLM": ({}, 1, "torch", (1, 4))}
-ARCH = "DeepseekV3ForCausalLM" if "deepseek" in sys.argv[1:] else "Qwen3MoeForCausalLM"
+# output key -> (architecture, the tiny checkpoint's overrides, its first MoE layer, the router
+# leaf: the grouped router has `torch` (rl-bitwise's pin) and `auto`, which is its stable leaf), the
+# EP sizes of the slot combine (DeepSeek's three layers: 1 and 4 only, to keep CI time)
+MODELS = {"qwen3_moe": ("Qwen3MoeForCausalLM", {"num_experts_per_tok": 4}, 0, "stable",
+                        (1, 2, 4, 8)),
+          "deepseek_v3": ("DeepseekV3ForCausalLM", {}, 1, "torch", (1, 4))}
 OPTIONS = dict(max_total_tokens=512, chunked_prefill_size=32, max_prefill_tokens=64,
                max_running_requests=4, skip_warmup=True)
 rng = np.random.default_rng(1)
@@ -135,46 +137,57 @@ def step_collectives(runner, tokens: int = 16) -> dict:
             for op in ("all_to_all", "all_gather")}
 
 
+def ep_sizes(loaded, moe_layer: int, router: str, slot_sizes) -> dict:
+    """Teacher-forced logits at each EP size of the slot combine and at EP4 of the rank combine,
+    against EP1's; at EP4 also the expert weights' placement and the step's collectives."""
+    # float32: a different fp32 association (the `rank` control) would mostly vanish in a bf16
+    # rounding of the layer output
+    resolved = resolve_launch(LaunchConfig(numerics="rl-bitwise", dtype="float32", **OPTIONS),
+                              hardware="cpu", probe_xla_flags=False)
+    plan = plan_launch(resolved, loaded.config)
+    out, base = {}, None
+    for combine, sizes in (("slot", slot_sizes), ("rank", (4,))):
+        model = dataclasses.replace(plan.runner.model,
+                                    moe=MoEOptions(router_topk=router, combine_order=combine))
+        for ep in sizes:
+            runner = ModelRunner(loaded.config, loaded.checkpoint,
+                                 dataclasses.replace(plan.runner, model=model, ep_size=ep))
+            alone = logits_of(runner, [PROMPT_A])[0]
+            packed = logits_of(runner, [PROMPT_B, PROMPT_A])[1]
+            base = alone if base is None else base
+            entry = {"differing_vs_ep1": differing(alone, base),
+                     "batch_differing": differing(alone, packed),
+                     "elements": int(alone.size)}
+            if ep == 4:
+                expert = runner._model(runner._params).named_parameters()[
+                    f"layers.{moe_layer}.mlp.experts.gate_proj"]
+                entry["expert_weight_spec"] = str(expert.sharding.spec)
+                entry["expert_weight_local_experts"] = int(
+                    expert.addressable_shards[0].data.shape[0])
+                entry["parallelism"] = runner.parallelism()
+                if combine == "slot":
+                    entry["collectives"] = step_collectives(runner)
+            out[f"{combine}_ep{ep}"] = entry
+    return out
+
+
 def main():
+    section = sys.argv[1] if len(sys.argv) > 1 else "ep_sizes"
+    if section not in ("ep_sizes", "harness"):
+        raise SystemExit(f"ep_probe.py: unknown section {section!r} (ep_sizes or harness)")
     out = {}
-    with tempfile.TemporaryDirectory() as tmp, override_profile(ARCH,
-                                                                numerics_envelopes={"rl-bitwise"}):
-        # top-4: with two slots any fold is one commutative add, so `rank` could not differ
-        overrides, moe_layer, router, slot_sizes = MODELS[ARCH]
-        loaded = load_model(str(make_tiny_hf_model(Path(tmp) / "moe", ARCH, seed=5, **overrides)),
-                            progress=False)
-        # float32: a different fp32 association (the `rank` control) would mostly vanish in a bf16
-        # rounding of the layer output
-        resolved = resolve_launch(LaunchConfig(numerics="rl-bitwise", dtype="float32", **OPTIONS),
-                                  hardware="cpu", probe_xla_flags=False)
-        plan = plan_launch(resolved, loaded.config)
-        base = None
-        for combine, sizes in (("slot", slot_sizes), ("rank", (4,))):
-            model = dataclasses.replace(plan.runner.model,
-                                        moe=MoEOptions(router_topk=router, combine_order=combine))
-            for ep in sizes:
-                runner = ModelRunner(loaded.config, loaded.checkpoint,
-                                     dataclasses.replace(plan.runner, model=model, ep_size=ep))
-                alone = logits_of(runner, [PROMPT_A])[0]
-                packed = logits_of(runner, [PROMPT_B, PROMPT_A])[1]
-                base = alone if base is None else base
-                entry = {"differing_vs_ep1": differing(alone, base),
-                         "batch_differing": differing(alone, packed),
-                         "elements": int(alone.size)}
-                if ep == 4:
-                    expert = runner._model(runner._params).named_parameters()[
-                        f"layers.{moe_layer}.mlp.experts.gate_proj"]
-                    entry["expert_weight_spec"] = str(expert.sharding.spec)
-                    entry["expert_weight_local_experts"] = int(
-                        expert.addressable_shards[0].data.shape[0])
-                    entry["parallelism"] = runner.parallelism()
-                    if combine == "slot":
-                        entry["collectives"] = step_collectives(runner)
-                out[f"{combine}_ep{ep}"] = entry
-        if ARCH == "Qwen3MoeForCausalLM":
-            out["dispatch"] = dispatch_cases()
-        if "harness" in sys.argv[1:]:
-            out["harness"] = harness(str(Path(tmp) / "moe"))
+    with tempfile.TemporaryDirectory() as tmp:
+        for key, (arch, overrides, moe_layer, router, slot_sizes) in MODELS.items():
+            with override_profile(arch, numerics_envelopes={"rl-bitwise"}):
+                # top-4: with two slots any fold is one commutative add, so `rank` could not differ
+                model_dir = str(make_tiny_hf_model(Path(tmp) / key, arch, seed=5, **overrides))
+                if section == "harness":
+                    out[key] = harness(model_dir)
+                    continue
+                out[key] = ep_sizes(load_model(model_dir, progress=False), moe_layer, router,
+                                    slot_sizes)
+                if key == "qwen3_moe":
+                    out[key]["dispatch"] = dispatch_cases()
     print(json.dumps(out))
 
 

@@ -2,23 +2,27 @@
 bitwise with the slot-order combine, the rank-order combine as its control, the all-to-all dispatch
 in the step program and alone (rows not a multiple of E, a row's slots all on one rank), and the
 invariance harness at EP4; the same for a tiny DeepSeek-V3 (MLA, a dense layer, two MoE layers
-with a shared expert) at EP1 = EP4. tests/ep_probe.py measures in a subprocess; the claims are
-asserted here."""
+with a shared expert) at EP1 = EP4. tests/ep_probe.py measures both models in one subprocess (one
+start of 8 fake devices, shared by the module's fixtures); the claims are asserted here."""
 
 import pytest
 
-from tests.fake_devices import run_probe
+from tests.fake_devices import probe_fixture
+
+
+ep_runs = probe_fixture("ep_runs", "ep_probe.py", "ep_sizes")
+# The invariance harness at EP4 of both models: four more MoE engines, so its tests are `-m slow`.
+harness_runs = probe_fixture("harness_runs", "ep_probe.py", "harness")
 
 
 @pytest.fixture(scope="module")
-def probe():
-    return run_probe("ep_probe.py")
+def probe(ep_runs):
+    return ep_runs["qwen3_moe"]
 
 
 @pytest.fixture(scope="module")
-def harness():
-    """The invariance harness at EP4: two more MoE engines (~80 s on 2 cores), so `-m slow`."""
-    return run_probe("ep_probe.py", "harness")["harness"]
+def harness(harness_runs):
+    return harness_runs["qwen3_moe"]
 
 
 def test_experts_are_split_over_the_expert_axis(probe):
@@ -83,13 +87,13 @@ def test_invariance_harness_auto_control_at_ep4(harness):
 # DeepSeek-V3: the routed experts split over the expert axis, the shared experts, the router and the
 # latent KV pool whole on every rank.
 @pytest.fixture(scope="module")
-def deepseek_probe():
-    return run_probe("ep_probe.py", "deepseek")
+def deepseek_probe(ep_runs):
+    return ep_runs["deepseek_v3"]
 
 
 @pytest.fixture(scope="module")
-def deepseek_harness():
-    return run_probe("ep_probe.py", "deepseek", "harness")["harness"]
+def deepseek_harness(harness_runs):
+    return harness_runs["deepseek_v3"]
 
 
 def test_deepseek_ep1_ep4_bitwise_equal_and_rank_combine_differs(deepseek_probe):
