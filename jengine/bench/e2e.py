@@ -13,6 +13,7 @@ from jengine.bench.common import (SHAPES, _checkpoint, _median_time, _pages, _po
 
 E2E_MAX_RUNNING = 256  # the running set holds the whole default workload at once
 E2E_PREFILL_BUDGET = 4096  # --max-prefill-tokens, and the prefill chunk per request
+PROGRESS_S = 15.0  # seconds between the workload's progress lines
 
 
 class _NullDetokenizer:
@@ -155,7 +156,18 @@ def _run_workload(engine, prompts, sampling: dict) -> tuple[float, list[dict], d
             input_ids=ids, sampling_params=sampling, stream=True,
             on_output=lambda out, a=arrivals[i]: a.append((time.perf_counter(),
                                                            len(out["output_ids"])))))
-    outs = [h.result() for h in handles]
+    outs = []
+    for h in handles:
+        # A progress line every PROGRESS_S: a part stopped by its timeout then says how far the
+        # workload got (a device call once spent 105 s here and reported nothing).
+        while True:
+            try:
+                outs.append(h.result(timeout=PROGRESS_S))
+                break
+            except TimeoutError:  # RequestHandle.result's, raised when PROGRESS_S passes
+                produced = sum(a[-1][1] for a in arrivals if a)
+                print(f"  ... {time.perf_counter() - t0:.0f} s: {len(outs)} of {len(prompts)} "
+                      f"requests done, {produced} tokens out", flush=True)
     return time.perf_counter() - t0, outs, latency_stats(submitted, arrivals)
 
 
@@ -175,9 +187,13 @@ def part_engine(args) -> dict:
            "output_tokens": args.e2e_output, "max_running_requests": launch.max_running_requests,
            "max_prefill_tokens": launch.max_prefill_tokens, "max_total_tokens": launch.max_total_tokens,
            "build_s": time.time() - t0}
+    print(f"[{args.numerics}] built in {out['build_s']:.1f} s; compiling the step programs",
+          flush=True)
     out["warmup_s"] = _warm_step_programs(runner, sampler, args)
+    print(f"[{args.numerics}] step programs compiled in {out['warmup_s']:.1f} s", flush=True)
     _checkpoint(args, out)
     for overlap in (True, False):
+        print(f"[{args.numerics}] e2e workload, overlap {overlap} ...", flush=True)
         run = _engine_run(runner, sampler, dataclasses.replace(plan, overlap_schedule=overlap),
                           loaded, args)
         if overlap:
