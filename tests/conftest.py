@@ -45,22 +45,3 @@ def moe_ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe-checkpoints")
     return {w: make_tiny_hf_model(root / w, "Qwen3MoeForCausalLM", seed=i)
             for i, w in enumerate(("w0", "w1"))}
-
-
-def pytest_collection_finish(session):
-    """Start the selected tests' fake-device probes in the background (tests/fake_devices.py);
-    JENGINE_PROBES_AHEAD=0 runs each in the foreground when its fixture asks, to compare times."""
-    from tests import fake_devices
-
-    keys = fake_devices.selected_probes(session.items)
-    ahead = os.environ.get("JENGINE_PROBES_AHEAD", "1") != "0"
-    if keys and ahead and not session.config.option.collectonly:
-        fake_devices.QUEUE = fake_devices.ProbeQueue(keys)
-
-
-def pytest_sessionfinish(session):
-    from tests import fake_devices
-
-    if fake_devices.QUEUE is not None:
-        fake_devices.QUEUE.close()
-        fake_devices.QUEUE = None

@@ -15,10 +15,12 @@ from jengine.config import LaunchConfig, LaunchRefusal
 from jengine.launch import plan_launch
 from jengine.numerics import resolve_launch
 from sharding import eplb
-from tests.fake_devices import probe_fixture, run_probe
+from tests.fake_devices import run_probe
 
 
-probe = probe_fixture("probe", "eplb_probe.py")
+@pytest.fixture(scope="module")
+def probe():
+    return run_probe("eplb_probe.py")
 
 
 @pytest.mark.slow  # the 8-device EPLB engines (~50 s on 2 cores): run with -m slow
@@ -55,8 +57,9 @@ def test_rank_combine_control_changes_bits(probe):
     assert run["before"] != run["after"]
 
 
-update_params = probe_fixture("update_params", "eplb_update_probe.py", "params", "2", "2",
-                              devices=2)
+@pytest.fixture(scope="module")
+def update_params():
+    return run_probe("eplb_update_probe.py", "params", "2", "2", devices=2)
 
 
 def test_a_partial_update_regathers_every_layers_slots(update_params):

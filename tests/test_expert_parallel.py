@@ -7,12 +7,18 @@ start of 8 fake devices, shared by the module's fixtures); the claims are assert
 
 import pytest
 
-from tests.fake_devices import probe_fixture
+from tests.fake_devices import run_probe
 
 
-ep_runs = probe_fixture("ep_runs", "ep_probe.py", "ep_sizes")
-# The invariance harness at EP4 of both models: four more MoE engines, so its tests are `-m slow`.
-harness_runs = probe_fixture("harness_runs", "ep_probe.py", "harness")
+@pytest.fixture(scope="module")
+def ep_runs():
+    return run_probe("ep_probe.py", "ep_sizes")
+
+
+@pytest.fixture(scope="module")
+def harness_runs():
+    """The invariance harness at EP4 of both models: four more MoE engines, so `-m slow`."""
+    return run_probe("ep_probe.py", "harness")
 
 
 @pytest.fixture(scope="module")

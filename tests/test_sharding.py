@@ -17,12 +17,14 @@ from sharding.collectives import OP_KINDS, ordered_all_reduce, ordered_reduce_sc
 from sharding.mesh import MESH_AXES, MeshShape, make_mesh, mesh_shape, use_mesh
 from sharding.rules import (DENSE_ACTIVATION_AXES, LAYOUTS, LOGICAL_AXES, RULES, RULES_TABLE,
                             ShardingRules, check_divisible, layout_for, logical_to_spec, rules_for)
-from tests.fake_devices import probe_fixture
+from tests.fake_devices import run_probe
 
 # -- the 8-device measurements (one subprocess) -------------------------------------------------
 
 
-probe = probe_fixture("probe", "sharding_probe.py")
+@pytest.fixture(scope="module")
+def probe():
+    return run_probe("sharding_probe.py")
 
 
 def test_probe_ran_on_an_8_device_mesh(probe):

@@ -7,9 +7,11 @@ import re
 import pytest
 
 from sharding.tensor_parallel import head_padding
-from tests.fake_devices import probe_fixture
+from tests.fake_devices import run_probe
 
-probe = probe_fixture("probe", "tp_probe.py")
+@pytest.fixture(scope="module")
+def probe():
+    return run_probe("tp_probe.py")
 
 
 def test_parameters_and_kv_pool_are_placed_by_the_rules(probe):

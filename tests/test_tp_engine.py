@@ -4,14 +4,27 @@ measures in a subprocess; the claims are asserted here."""
 
 import pytest
 
-from tests.fake_devices import probe_fixture
+from tests.fake_devices import run_probe
 
 
-topology = probe_fixture("topology", "tp_engine_probe.py", "topology")
-harness = probe_fixture("harness", "tp_engine_probe.py", "harness")
-harness_tp4 = probe_fixture("harness_tp4", "tp_engine_probe.py", "harness_tp4")
-harness_tp2_variants = probe_fixture("harness_tp2_variants", "tp_engine_probe.py",
-                                     "harness_tp2_variants")
+@pytest.fixture(scope="module")
+def topology():
+    return run_probe("tp_engine_probe.py", "topology")
+
+
+@pytest.fixture(scope="module")
+def harness():
+    return run_probe("tp_engine_probe.py", "harness")
+
+
+@pytest.fixture(scope="module")
+def harness_tp4():
+    return run_probe("tp_engine_probe.py", "harness_tp4")
+
+
+@pytest.fixture(scope="module")
+def harness_tp2_variants():
+    return run_probe("tp_engine_probe.py", "harness_tp2_variants")
 
 
 def test_tp2_all_replays_the_one_device_goldens(topology):

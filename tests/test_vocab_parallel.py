@@ -9,13 +9,15 @@ import numpy as np
 import pytest
 
 from sharding.vocab_parallel import check_block_aligned, orderable_key
-from tests.fake_devices import probe_fixture
+from tests.fake_devices import run_probe
 
 SHARDS = ("1", "2", "4", "8")
 ORDERS = ("blockwise", "blockwise-direct-16384")
 
 
-probe = probe_fixture("probe", "vocab_parallel_probe.py")
+@pytest.fixture(scope="module")
+def probe():
+    return run_probe("vocab_parallel_probe.py")
 
 
 def test_the_adversarial_rows_are_what_they_claim(probe):
