@@ -38,7 +38,8 @@ def main():
         from_hf = ModelRunner(hf.config, hf.checkpoint, runner_cfg)
         from_orbax = ModelRunner(orbax.config, orbax.checkpoint, runner_cfg)
         # What Orbax restores, before the model casts it: each array already on its placement.
-        restored = orbax.checkpoint.restore(from_orbax._placement)
+        place = from_orbax.placement.param_placement
+        restored = orbax.checkpoint.restore(place)
 
     def params(runner):
         return runner._model(runner._params).named_parameters()
@@ -58,7 +59,7 @@ def main():
         "restored_q_proj_shape": list(restored[q].shape),
         "restored_q_proj_local_shape": list(restored[q].addressable_shards[0].data.shape),
         "restored_unplaced": [p for p, x in restored.items()
-                              if x.sharding != from_orbax._placement(from_orbax.param_specs()[p])],
+                              if x.sharding != place(from_orbax.param_specs()[p])],
         "logits_differing": sum(count_bit_differences(x, y)
                                 for x, y in zip(logits_hf, logits_orbax)),
         "logits_elements": int(sum(x.size for x in logits_hf)),

@@ -79,8 +79,8 @@ def main():
         r2 = runners[2]
         entry = {
             "bic": plan.runner.batch_invariant_collectives,
-            "row_sum_path": r2._tp.row_sum_route.path,
-            "mesh": dict(r2.mesh.shape),
+            "row_sum_path": r2.placement.tp.row_sum_route.path,
+            "mesh": dict(r2.placement.mesh.shape),
             "param_specs": {path: str(a.sharding.spec) for path, a in
                             r2._model(r2._params).named_parameters().items()
                             if path.startswith(("embed", "lm_head", "layers.0."))},
