@@ -7,6 +7,8 @@
 # Steps:
 #   attention      scripts/gpu_attention.py: Triton attention bits, accuracy, per-layer timings
 #   attention_timing  the same, timings only
+#   attention_rows scripts/gpu_attention_rows.py: does the attention leaf's query tile (ROWS = 16
+#                  today) change any bit at 32 / 64 / 128 rows, and what it buys for prefill
 #   mla_attention  scripts/gpu_mla_attention.py: the Triton MLA leaf at DeepSeek widths (R 512,
 #                  rope 64, 16/128 heads, ctx 1k/4k, bf16): paged == dense-causal, decode ==
 #                  prefill, chunked, bs-64 packing, JAX == torch launch, the GPU plans; decode
@@ -23,6 +25,9 @@
 #   profile_cmdbuf the profile with XLA command buffers for custom calls (an experiment)
 #   bench_decode   jengine bench --parts roofline model (decode bs 1/16/64/256 + 8k, prefill 4096)
 #   bench_final    roofline + decode/prefill rows + the HF peer in one run (the targets table)
+#   bench_model    roofline + decode bs 1 / 64 / 256 (blocked on and pipelined) + prefill, 20
+#                  iterations, both numerics, no HF (the step goals of issue #19 in ~5 minutes)
+#   bench_model_rl the model rows of rl-bitwise alone (an A/B against another tree in one call)
 #   bench_leaves   jengine bench --parts roofline leaves (GEMM leaves per shape and M)
 #   sweep_prefill  GEMM tiles with k_split for q/o and down_proj at M = 1, 64, 4096 (prefill leads)
 #   sweep_split    the same with the split schedule forced at every M (large-M leads)
@@ -103,6 +108,7 @@ for s in "$@"; do
   case $s in
     attention) step attention 240 python3 scripts/gpu_attention.py --out "$out" ;;
     mla_attention) step mla_attention 200 python3 scripts/gpu_mla_attention.py --out "$out/mla_attention" ;;
+    attention_rows) step attention_rows 240 python3 scripts/gpu_attention_rows.py --out "$out/attention_rows" ;;
     attention_timing) step attention_timing 150 python3 scripts/gpu_attention.py --skip-checks --out "$out" ;;
     gemm) step gemm 170 python3 scripts/gpu_validate.py --skip-harness --only gemm --out "$out/val" ;;
     sumexp) step sumexp 150 python3 scripts/gpu_validate.py --skip-harness --only block_sumexp --out "$out/val_sumexp" ;;
@@ -120,6 +126,8 @@ for s in "$@"; do
       XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL" step profile_cmdbuf_auto 150 python3 scripts/gpu_profile_step.py --numerics auto --batch 64 --tag _cmdbuf --out "$out" ;;
     bench_decode) step bench_decode 560 python3 -m jengine.cli bench --parts roofline model --iters 5 --part-timeout 60 model=240 --out "$out/bench_decode" ;;
     bench_final) step bench_final 400 python3 -m jengine.cli bench --parts roofline model hf --iters 30 --part-timeout 60 model=230 hf=130 --out "$out/bench_final" ;;
+    bench_model) step bench_model 420 python3 -m jengine.cli bench --parts roofline model --iters 20 --batch-sizes 1 64 256 --part-timeout 60 model=170 --out "$out/bench_model" ;;
+    bench_model_rl) step bench_model_rl 200 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 256 --part-timeout 190 --out "$out/bench_model_rl" ;;
     bench_leaves) step bench_leaves 560 python3 -m jengine.cli bench --parts roofline leaves --iters 5 --part-timeout 120 leaves=420 --out "$out/bench_leaves" ;;
     sweep_prefill) step sweep_prefill 200 python3 -m jengine.cli bench --parts leaves --rows 1 64 4096 --iters 5 --leaf-shapes q/o_proj down_proj --tile-candidates 128,128,64,8,8,4,4 128,128,64,8,8,4,2 128,256,64,8,8,3,4 --part-timeout leaves=190 --out "$out/sweep_prefill" ;;
     sweep_split) step sweep_split 200 python3 -m jengine.cli bench --parts leaves --rows 1 64 4096 --iters 5 --leaf-shapes q/o_proj down_proj --tile-candidates 128,128,64,8,8,4,4:split 64,128,128,8,4,3,4:split 64,64,128,8,4,6,4:split 128,128,64,8,8,4,2 --part-timeout leaves=190 --out "$out/sweep_split" ;;
