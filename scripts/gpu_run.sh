@@ -9,6 +9,8 @@
 #   attention_timing  the same, timings only
 #   attention_rows scripts/gpu_attention_rows.py: does the attention leaf's query tile (ROWS = 16
 #                  today) change any bit at 32 / 64 / 128 rows, and what it buys for prefill
+#   mla_digest     scripts/gpu_mla_digest.py: SHA-256 of the Triton MLA leaf's output bits on fixed
+#                  inputs, from the tree in the current directory (run it in two trees to compare)
 #   mla_attention  scripts/gpu_mla_attention.py: the Triton MLA leaf at DeepSeek widths (R 512,
 #                  rope 64, 16/128 heads, ctx 1k/4k, bf16): paged == dense-causal, decode ==
 #                  prefill, chunked, bs-64 packing, JAX == torch launch, the GPU plans; decode
@@ -107,6 +109,7 @@ step() {  # step NAME SECONDS CMD...
 for s in "$@"; do
   case $s in
     attention) step attention 240 python3 scripts/gpu_attention.py --out "$out" ;;
+    mla_digest) step mla_digest 150 python3 "$(dirname "$0")/gpu_mla_digest.py" --out "$out/mla_digest.json" ;;
     mla_attention) step mla_attention 200 python3 scripts/gpu_mla_attention.py --out "$out/mla_attention" ;;
     attention_rows) step attention_rows 240 python3 scripts/gpu_attention_rows.py --out "$out/attention_rows" ;;
     attention_timing) step attention_timing 150 python3 scripts/gpu_attention.py --skip-checks --out "$out" ;;
