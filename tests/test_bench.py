@@ -162,6 +162,9 @@ def _check_server(r, md):
     assert "error" not in r, r
     assert r["clients"] == 3 and r["output_tokens_total"] == 3 * 8
     assert r["output_tok_s"] > 0 and r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] > 0
+    # The untimed run compiled what the workload's steps need; the server counted its compiles.
+    assert r["warm_run"]["output_tokens_total"] == 3 * 8 and r["warm_run"]["compiles_in_timing"] > 0
+    assert r["compiles_in_timing"] >= 0 and r["switch_interval_s"] == 0.0005
     assert "| `auto` | 3 x (32 + 8) |" in md and "x | " in md  # the ratio to the engine row
 
 

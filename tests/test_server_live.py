@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jengine.config import CHOICES
-from jengine.server.testing import ServerProcess
+from jengine.server.testing import ServerProcess, check_cumulative_stream
 
 CONTEXT = 512
 VOCAB = 32768  # tiny: input and output vocabularies are equal
@@ -167,8 +167,7 @@ def test_generate_streaming_chunks_then_done(http):
         data = sse_data(r.iter_lines())
     assert data[-1] == "[DONE]"
     chunks = [json.loads(d) for d in data[:-1]]
-    assert [len(c["output_ids"]) for c in chunks] == [1, 2, 3, 4, 5]
-    assert [c["finished"] for c in chunks] == [False] * 4 + [True]
+    check_cumulative_stream(chunks, 5)
     assert chunks[-1]["output_ids"] == final["output_ids"] and chunks[-1]["text"] == final["text"]
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jengine import Engine
-from jengine.server.testing import ServerProcess
+from jengine.server.testing import ServerProcess, check_cumulative_stream
 from scripts.goldens import bits, differences, output_record
 from tests.test_server_live import http, oai, sse_data  # noqa: F401  (fixtures over `server`)
 from tests.test_server_replicas import server_info
@@ -185,7 +185,7 @@ def test_streaming_generate_ends_with_the_tp1_bits(http, tp1):
         data = sse_data(r.iter_lines())
     assert data[-1] == "[DONE]"
     chunks = [json.loads(d) for d in data[:-1]]
-    assert [len(c["output_ids"]) for c in chunks] == [1, 2, 3, 4, 5, 6]
+    check_cumulative_stream(chunks, 6)
     want = tp1.generate(input_ids=tp1.tokenizer.encode(PROMPT), sampling_params=SEEDED, **LOGPROBS)
     assert differences(output_record(want), output_record(chunks[-1])) == []
 

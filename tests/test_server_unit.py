@@ -18,7 +18,11 @@ from jengine.launch import ServerOptions
 from jengine.engine.io_struct import RequestLimits
 from jengine.engine.request import InvalidRequest, SamplingParams, derive_sample_seeds
 from jengine.server.app import create_app
+from jengine.server.async_engine import RequestStream
+from jengine.server.gil import favour_engine_thread
+from jengine.server.http_utils import dumps_bytes, jsonable
 from jengine.server.metrics import _after_overlap
+from jengine.server.testing import check_cumulative_stream
 
 class CharTokenizer:
     chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}>"
@@ -202,9 +206,8 @@ def test_generate_stream_is_cumulative_and_ends_with_done(client):
     with client.stream("POST", "/generate", json=body) as r:
         events, last = sse_events(r)
     assert last == "data: [DONE]"
-    assert [len(e["output_ids"]) for e in events] == [1, 2, 3, 4]
-    assert events[-1]["finished"] and events[-1]["output_ids"] == expected_ids(3, 2, 4)
-    assert not any(e["finished"] for e in events[:-1])
+    check_cumulative_stream(events, 4)
+    assert events[-1]["output_ids"] == expected_ids(3, 2, 4)
 
 
 def test_generate_batch_stream_tags_index(client):
@@ -406,3 +409,67 @@ def test_failure_inside_a_stream_ends_it_with_an_error_event():
         while eng._running and time.monotonic() < deadline:  # the request was aborted, not leaked
             time.sleep(0.01)
         assert not eng._running and c.get("/health").status_code == 200
+
+
+def test_a_stream_behind_the_engine_gets_the_newest_output_with_every_token_it_missed():
+    """Outputs are cumulative: offered faster than they are read, only the newest is handed over,
+    and its delta holds every token since the last one read (SGLang's out_list[-1])."""
+    import asyncio
+
+    class Owner:
+        def _observe(self, handle, update):
+            pass
+
+        def _forget(self, rid):
+            pass
+
+    def out(ids, finished=False):
+        return {"text": "".join(map(str, ids)), "output_ids": ids, "finished": finished,
+                "meta_info": {"output_token_logprobs": [(-0.5, i, None) for i in ids]}}
+
+    async def run():
+        stream = RequestStream(Owner(), "r", asyncio.get_running_loop())
+        updates = stream.updates()
+        stream.offer(out([7]))
+        first = await updates.__anext__()
+        for n in range(2, 5):  # three outputs before the reader comes back
+            stream.offer(out(list(range(7, 7 + n)), finished=n == 4))
+        await asyncio.sleep(0)  # the scheduled wake-ups run
+        second = await updates.__anext__()
+        with pytest.raises(StopAsyncIteration):
+            await updates.__anext__()
+        return first, second
+
+    first, second = asyncio.run(run())
+    assert first.new_ids == [7] and first.new_text == "7" and not first.finished
+    assert second.new_ids == [8, 9, 10] and second.new_text == "8910" and second.finished
+    assert [t[1] for t in second.new_logprobs] == [8, 9, 10]
+
+
+def test_dumps_writes_the_bytes_the_jsonable_walk_wrote():
+    import numpy as np
+
+    value = {"text": "é\u2028", "output_ids": [1, np.int64(2)], "finished": np.bool_(True),
+             "meta_info": {"lp": [(np.float32(-0.1), 3, None), (-0.0, 4, None),
+                                  (float("-inf"), 5, None)], "t": (1.5, np.float64(1e-300)),
+                           "tags": {"b", "a"}, 7: np.arange(3)}}
+    old = json.dumps(jsonable(value), ensure_ascii=False, allow_nan=True,
+                     separators=(",", ":")).encode()
+    assert dumps_bytes(value) == old
+    assert json.loads(dumps_bytes(value))["meta_info"]["lp"][0][0] == float(np.float32(-0.1))
+    assert dumps_bytes({np.int64(1): 2}) == b'{"1":2}'  # a key json refuses takes the walk
+    assert dumps_bytes({"s": "\ud800"}) == b'{"s":"\\ud800"}'  # a lone surrogate: escaped
+    assert dumps_bytes([np.float32(0.1)]) != dumps_bytes([0.1])  # the float32 value, not 0.1
+
+
+def test_favour_engine_thread_sets_the_interval_and_refuses_nonsense():
+    import sys
+
+    before = sys.getswitchinterval()
+    try:
+        favour_engine_thread(0.001)
+        assert sys.getswitchinterval() == pytest.approx(0.001)
+        with pytest.raises(ValueError, match="switch interval 0"):
+            favour_engine_thread(0)
+    finally:
+        sys.setswitchinterval(before)

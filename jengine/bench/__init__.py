@@ -47,6 +47,7 @@ from jengine.bench.device import part_leaves, part_roofline
 from jengine.bench.e2e import part_engine, part_hf
 from jengine.bench.model import part_model
 from jengine.bench.server import part_server
+from jengine.server.gil import ENGINE_SWITCH_INTERVAL_S
 
 PARTS = {"roofline": part_roofline, "leaves": part_leaves, "model": part_model,
          "engine": part_engine, "server": part_server, "hf": part_hf}
@@ -82,6 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--server-clients", type=int, default=256,
                    help="server: concurrent /generate clients, one request each (the engine "
                         "part's workload: --e2e-input / --e2e-output tokens)")
+    p.add_argument("--server-switch-interval", type=float, default=ENGINE_SWITCH_INTERVAL_S,
+                   help="server: the server process's GIL switch interval in seconds (`jengine "
+                        "serve` sets %(default)s; 0.005 is CPython's default)")
     p.add_argument("--hf-batch", type=int, default=64, help="hf: generate batch")
     p.add_argument("--hf-new-tokens", type=int, default=64, help="hf: tokens generated per row")
     p.add_argument("--part-timeout", nargs="+", default=["540"], metavar="[PART=]SECONDS",
@@ -108,7 +112,7 @@ def add_parser(subparsers):
 # Options a child needs, forwarded as given (--numerics is forwarded one value per child).
 CHILD_OPTIONS = ("batch_sizes", "context", "long_context", "long_context_batch", "prefill_tokens",
                  "rows", "iters", "tile_candidates", "leaf_shapes", "e2e_requests", "e2e_input", "e2e_output",
-                 "loop_batch", "server_clients", "hf_batch", "hf_new_tokens", "shape")
+                 "loop_batch", "server_clients", "server_switch_interval", "hf_batch", "hf_new_tokens", "shape")
 
 
 def _child_argv(args) -> list[str]:

@@ -20,8 +20,10 @@ import sys
 import time
 
 from jengine.bench.common import _checkpoint
+from jengine.server.gil import ENGINE_SWITCH_INTERVAL_S
 
 STARTUP_S = 420  # model build and warm-up of the server process, inside the default part timeout
+COMPILES_ROUTE = "/bench/compiles"
 
 
 def _free_port() -> int:
@@ -35,15 +37,25 @@ def _serve(args) -> None:
     import uvicorn
 
     from jengine.bench.common import random_runner
-    from jengine.bench.e2e import _e2e_launch, _make_engine, _warm_step_programs
+    from jengine.bench.e2e import _CompileClock, _e2e_launch, _make_engine, _warm_step_programs
     from jengine.engine.sampler import Sampler
     from jengine.server.app import create_app
+    from jengine.server.gil import favour_engine_thread
+    from jengine.server.http_utils import JSONResponse
 
+    clock = _CompileClock().__enter__()  # for the process's life: the bench reads differences
     runner, plan, loaded = random_runner(args.shape, args.numerics, _e2e_launch(args))
     sampler = Sampler(plan.sampler, loaded.config.vocab_size)
     _warm_step_programs(runner, sampler, args)
     engine = _make_engine(runner, sampler, plan, loaded)
-    uvicorn.run(create_app(engine), host="127.0.0.1", port=args.port, log_level="warning")
+    app = create_app(engine)
+
+    @app.get(COMPILES_ROUTE)  # the bench's own route, not part of the served API
+    async def compiles():
+        return JSONResponse({"count": clock.count, "seconds": clock.seconds})
+
+    favour_engine_thread(args.switch_interval)  # as `jengine serve` does
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 
 
 async def _client(http, url: str, ids: list[int], sampling: dict) -> tuple[float, list, int]:
@@ -85,6 +97,15 @@ def _wait_healthy(url: str, proc, deadline: float) -> None:
     raise TimeoutError("the server did not answer /health in time")
 
 
+def _uvicorn_flavour() -> str:
+    """The HTTP parser and event loop uvicorn picks here ("auto": the C ones when installed);
+    h11 is pure Python and costs the event loop more per streamed event than httptools."""
+    import importlib.util
+
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    return f"{http}, {'uvloop' if importlib.util.find_spec('uvloop') else 'asyncio'}"
+
+
 def part_server(args) -> dict:
     import numpy as np
 
@@ -95,37 +116,52 @@ def part_server(args) -> dict:
     argv = [sys.executable, "-m", "jengine.bench.server", "--port", str(port),
             "--numerics", args.numerics, "--shape", args.shape,
             "--e2e-requests", str(args.server_clients), "--e2e-input", str(args.e2e_input),
-            "--e2e-output", str(args.e2e_output)]
+            "--e2e-output", str(args.e2e_output),
+            "--switch-interval", str(args.server_switch_interval)]
     out = {"numerics": args.numerics, "shape": args.shape, "clients": args.server_clients,
-           "input_tokens": args.e2e_input, "output_tokens": args.e2e_output}
+           "input_tokens": args.e2e_input, "output_tokens": args.e2e_output,
+           "switch_interval_s": args.server_switch_interval, "uvicorn": _uvicorn_flavour()}
     t0 = time.time()
     proc = subprocess.Popen(argv, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         _wait_healthy(url, proc, time.time() + STARTUP_S)
         out["startup_s"] = time.time() - t0
         _checkpoint(args, out)
-        rng = np.random.default_rng(0)
+        rng = np.random.default_rng(0)  # the engine part's prompts
         sampling = {"max_new_tokens": args.e2e_output, "temperature": 0.0, "ignore_eos": True}
-        warm = rng.integers(0, 32000, (1, args.e2e_input)).tolist()
-        asyncio.run(_clients(url, warm, {**sampling, "max_new_tokens": 4}))
-        import httpx
-
-        httpx.post(url + "/flush_cache", timeout=60)  # the timed run starts from an empty cache
         prompts = rng.integers(0, 32000, (args.server_clients, args.e2e_input)).tolist()
-        wall, results = asyncio.run(_clients(url, prompts, sampling))
+        print(f"[{args.numerics}] server workload once untimed (compiles what its steps "
+              "need) ...", flush=True)
+        out["warm_run"] = _timed_run(url, prompts, sampling)[0]
+        _checkpoint(args, out)
+        print(f"[{args.numerics}] server workload, timed ...", flush=True)
+        timed, results = _timed_run(url, prompts, sampling)
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-    produced = sum(n for _, _, n in results)
-    out.update(wall_s=wall, output_tokens_total=produced, output_tok_s=produced / wall,
-               req_s=len(results) / wall,
-               **latency_stats([t for t, _, _ in results], [e for _, e, _ in results]))
-    print(f"[{args.numerics}] server {args.server_clients} clients: {wall:.2f} s, "
-          f"{out['output_tok_s']:.0f} output tok/s", flush=True)
+    out.update(timed, **latency_stats([t for t, _, _ in results], [e for _, e, _ in results]))
     return out
+
+
+def _timed_run(url: str, prompts, sampling: dict) -> tuple[dict, list]:
+    """One run of the workload from an empty prefix cache: wall time, throughput and what the
+    server compiled meanwhile; and each client's (submit time, events, tokens)."""
+    import httpx
+
+    httpx.post(url + "/flush_cache", timeout=60).raise_for_status()
+    before = httpx.get(url + COMPILES_ROUTE, timeout=60).json()
+    wall, results = asyncio.run(_clients(url, prompts, sampling))
+    after = httpx.get(url + COMPILES_ROUTE, timeout=60).json()
+    produced = sum(n for _, _, n in results)
+    run = {"wall_s": wall, "output_tokens_total": produced, "output_tok_s": produced / wall,
+           "req_s": len(results) / wall, "compiles_in_timing": after["count"] - before["count"],
+           "compile_s_in_timing": after["seconds"] - before["seconds"]}
+    print(f"  server {len(prompts)} clients: {wall:.2f} s, {run['output_tok_s']:.0f} output "
+          f"tok/s, {run['compiles_in_timing']} programs compiled inside", flush=True)
+    return run, results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--e2e-requests", type=int, default=256)
     p.add_argument("--e2e-input", type=int, default=1024)
     p.add_argument("--e2e-output", type=int, default=256)
+    p.add_argument("--switch-interval", type=float, default=ENGINE_SWITCH_INTERVAL_S)
     _serve(p.parse_args(argv))
     return 0
 

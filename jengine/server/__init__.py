@@ -2,5 +2,6 @@
 
 Reading order: cli.py (entrypoint, shutdown) -> app.py (routes, errors) -> async_engine.py (the
 engine thread <-> event loop bridge) -> generate_api.py / openai_api.py (the two dialects) ->
-inputs.py (checks against the model) -> metrics.py. docs/serving.md documents every route.
+inputs.py (checks against the model) -> metrics.py; gil.py (the serving process keeps the engine
+thread fed). docs/serving.md documents every route.
 """

@@ -1,9 +1,13 @@
 """The engine as the asyncio event loop sees it.
 
 The Engine runs its scheduler loop in its own thread and reports each request's outputs through an
-`on_output` callback called from the engine's output-processor thread. `AsyncEngine` hands every such output to the event
-loop with `loop.call_soon_threadsafe`, into a per-request `asyncio.Queue` that the HTTP handler
-reads. Tokenization, chat templating and engine calls that may wait on the engine's lock run in a
+`on_output` callback called from the engine's output-processor thread. `AsyncEngine` hands each
+output to the event loop (`loop.call_soon_threadsafe`) for the request's `RequestStream`, which the
+HTTP handler reads. Outputs are cumulative (each holds the whole output so far), so a stream keeps
+only the newest one its reader has not taken yet, as SGLang's TokenizerManager does
+(`out_list[-1]`): a reader that keeps up gets every token in its own event; one that falls behind
+(the event loop busy with 256 streams, a slow client) gets the tokens it missed in its next event
+instead of a backlog of events to encode and send, each holding the whole output again. Tokenization, chat templating and engine calls that may wait on the engine's lock run in a
 small thread pool, so neither the event loop nor the engine step waits on them.
 
 It also keeps the set of requests in flight, which is what abort-on-disconnect and graceful
@@ -56,28 +60,58 @@ def _advance(prev: dict | None, out: dict) -> Update:
     done_ids = len(prev["output_ids"]) if prev else 0
     done_text = len(prev["text"]) if prev else 0
     meta = out.get("meta_info", {})
-    new_lists = [list(meta.get(k) or ())[done_ids:] for k in _OUTPUT_LISTS]
-    return Update(out, out.get("text", "")[done_text:], list(out.get("output_ids", ()))[done_ids:],
+    new_lists = [list((meta.get(k) or ())[done_ids:]) for k in _OUTPUT_LISTS]
+    return Update(out, out.get("text", "")[done_text:], list(out.get("output_ids", ())[done_ids:]),
                   *new_lists)
 
 
 class RequestStream:
-    """One submitted request: its outputs arrive on `queue`, the last one has `finished` True."""
+    """One submitted request: its outputs arrive through `offer` (any thread); `updates()` yields
+    them, the newest each time (module docstring), the last with `finished` True."""
 
-    def __init__(self, owner: "AsyncEngine", rid: str, queue: asyncio.Queue):
+    def __init__(self, owner: "AsyncEngine", rid: str, loop: asyncio.AbstractEventLoop):
         self.owner = owner
         self.rid = rid
-        self.queue = queue
         self.finished = False
         self.last: dict | None = None  # cumulative output so far
         self.arrival = time.monotonic()
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._newest: dict | None = None  # offered, not yet taken by `updates`
+        self._wake_pending = False  # a `_wake` is scheduled on the loop and has not run yet
+        self._ready = asyncio.Event()
+
+    def offer(self, out: dict) -> None:
+        """The engine's output-processor thread: `out` replaces any output not yet taken."""
+        with self._lock:
+            self._newest = out
+            wake, self._wake_pending = not self._wake_pending, True
+        if wake:
+            try:
+                self._loop.call_soon_threadsafe(self._wake)
+            except RuntimeError:  # the loop closed under us during shutdown; nobody is listening
+                pass
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._wake_pending = False  # an output offered from here on schedules another wake
+        self._ready.set()
+
+    async def _next(self) -> dict:
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            with self._lock:
+                out, self._newest = self._newest, None
+            if out is not None:  # None: a wake whose output an earlier wake already handed over
+                return out
 
     async def updates(self) -> AsyncIterator[Update]:
         """Yield every output until the final one. If the consumer stops early (client gone,
         task cancelled), the request is aborted so its KV pages are freed."""
         try:
             while not self.finished:
-                update = _advance(self.last, await self.queue.get())
+                update = _advance(self.last, await self._next())
                 self.owner._observe(self, update)
                 self.finished = update.finished
                 self.last = update.out
@@ -196,20 +230,11 @@ class AsyncEngine:
         return handles
 
     async def _submit_one(self, *, rid: str, stream: bool = False, **item: Any) -> RequestStream:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        handle = RequestStream(self, rid, queue)
-
-        def on_output(out: dict) -> None:  # the engine's output-processor thread
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, out)
-            except RuntimeError:  # the loop closed under us during shutdown; nobody is listening
-                pass
-
+        handle = RequestStream(self, rid, asyncio.get_running_loop())
         self._in_flight[rid] = handle
         try:
             await self.run_blocking(self.engine.submit, rid=rid, stream=stream,
-                                    on_output=on_output, **item)
+                                    on_output=handle.offer, **item)
         except InvalidRequest as exc:  # the engine's own validation: a client mistake
             self._forget(rid)
             raise RequestError.from_invalid(exc) from None

@@ -72,6 +72,7 @@ def build_parser(prog: str = "python -m jengine.serve") -> argparse.ArgumentPars
 
 def main(args: argparse.Namespace) -> int:
     from jengine.server.app import create_app
+    from jengine.server.gil import favour_engine_thread
     from jengine.server.replicas import serving_engine
 
     config = launch_config_from_args(args)
@@ -105,6 +106,7 @@ def main(args: argparse.Namespace) -> int:
                            timeout_graceful_shutdown=args.graceful_shutdown_timeout + 10.0,
                            access_log=level <= logging.DEBUG),
             app.state.server.aengine, grace_s=args.graceful_shutdown_timeout)
+        favour_engine_thread()
         server.run()
     finally:
         engine.shutdown()

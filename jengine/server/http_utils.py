@@ -47,8 +47,32 @@ def jsonable(obj: Any) -> Any:
     return str(obj)
 
 
+def _native(obj: Any) -> Any:
+    """json's hook for what it cannot write itself (numpy values, sets, dataclasses, paths)."""
+    return jsonable(obj)
+
+
+# One encoder for every response: json.dumps with options builds a new one per call. Everything
+# json writes natively (the engine's dicts, lists, tuples, ints, floats, strings) stays in its C
+# encoder -- a cumulative stream event is encoded per token per request, so walking it in Python
+# first (`jsonable`) cost the event loop more than the encoding itself. Floats are written by
+# float.__repr__ either way, so the bytes are those `jsonable` + json.dumps wrote, for every value
+# whose dict keys are strings or ints (all of ours; other keys take the `jsonable` path below).
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=True, separators=(",", ":"),
+                            default=_native)
+_ASCII_ENCODER = json.JSONEncoder(ensure_ascii=True, allow_nan=True, separators=(",", ":"),
+                                  default=_native)
+
+
+def _encode(encoder: json.JSONEncoder, obj: Any) -> str:
+    try:
+        return encoder.encode(obj)
+    except TypeError:  # a dict key json cannot write (jsonable str()s it)
+        return encoder.encode(jsonable(obj))
+
+
 def dumps(obj: Any) -> str:
-    return json.dumps(jsonable(obj), ensure_ascii=False, allow_nan=True, separators=(",", ":"))
+    return _encode(_ENCODER, obj)
 
 
 def dumps_bytes(obj: Any) -> bytes:
@@ -57,8 +81,7 @@ def dumps_bytes(obj: Any) -> bytes:
     try:
         return dumps(obj).encode("utf-8")
     except UnicodeEncodeError:
-        return json.dumps(jsonable(obj), ensure_ascii=True, allow_nan=True,
-                          separators=(",", ":")).encode("ascii")
+        return _encode(_ASCII_ENCODER, obj).encode("ascii")
 
 
 class JSONResponse(Response):

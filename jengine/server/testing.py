@@ -89,3 +89,14 @@ class ServerProcess:
         self.log.flush()
         with open(self.log.name, encoding="utf-8", errors="replace") as f:
             return f.read()[-chars:]
+
+
+def check_cumulative_stream(events: list[dict], n_tokens: int) -> None:
+    """A /generate stream's events (the parsed `data:` payloads before [DONE]) as documented: each
+    holds the output so far -- a prefix of the final one, longer than the event before (a reader
+    that fell behind gets several new tokens in one event) -- and only the last is finished."""
+    final = events[-1]["output_ids"]
+    lengths = [len(e["output_ids"]) for e in events]
+    assert len(final) == n_tokens and lengths == sorted(set(lengths)) and lengths[0] > 0, lengths
+    assert all(e["output_ids"] == final[:len(e["output_ids"])] for e in events), events
+    assert [e["finished"] for e in events] == [False] * (len(events) - 1) + [True], events
