@@ -62,13 +62,15 @@ class EngineLoop(RLControl):
                     logger.exception("engine command %r failed", op)
             self._apply_waiting_swaps()
             clock.lap("other")
-            stepped = self._can_step() or self._in_flight is not None
+            stepped = True
             if self._can_step():
                 self._step()
                 self._apply_waiting_swaps()
             elif self._in_flight is not None:
                 self._drain()
                 self._apply_waiting_swaps()
+            else:
+                stepped = False
             clock.lap("other")
             self._flush_events()
             clock.lap("emit")
