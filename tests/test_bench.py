@@ -156,6 +156,11 @@ def _check_engine(r):
     loops = r["loop_overhead"]
     assert [loops[k]["overlap_schedule"] for k in ("overlap", "overlap_off")] == [True, False]
     assert all(row["batch"] == 2 and row["model_step_ms"] > 0 for row in loops.values())
+    # the engine thread's phases: every turn of the workload stepped, and its host work is timed
+    assert all(row["host_phases"]["turns"] > 0 and row["host_phases"]["host_ms"] > 0
+               and row["host_phases"]["wait_ms"] > 0 for row in loops.values())
+    assert loops["overlap"]["host_phases"]["commit_ms"] > 0  # only the overlap loop commits ahead
+    assert loops["overlap_off"]["host_phases"]["commit_ms"] == 0
 
 
 def _check_server(r, md):
@@ -224,6 +229,7 @@ def test_engine_and_hf_parts_small(tmp_path):
     _check_server(results["server:auto"], md)
     _check_hf(results["hf"], md)
     assert "| `auto` | 4 x (32 + 8) |" in md
+    assert "| host ms/step |" in md  # the loop-overhead row's host breakdown
     assert "## Targets (issue #19)" in md
 
 

@@ -402,6 +402,13 @@ def test_sampler_padding_never_changes_a_row(logits, token_ids, sampling_rows):
     values, ids = sampler.top_logprobs(x, 3)
     assert values.shape == (5, 3) and ids.dtype == np.int32
     assert np.array_equal(bits(values[:, 0]), bits(sampler.token_logprobs(x, ids[:, 0])))
+    # On the device: 5 rows pad to 8 (padding zeroed); 8 rows fill their bucket (nothing to zero)
+    for s in (5, 8):
+        on_device = np.asarray(sampler.sample_on_device(jnp.asarray(logits[:s]),
+                                                        rows_of(sampling_rows, slice(0, s))))
+        host = sampler.sample(jnp.asarray(logits[:s]), rows_of(sampling_rows, slice(0, s)))
+        assert on_device.dtype == np.int32 and on_device.shape == (row_bucket(s),)
+        assert on_device[:s].tolist() == host.tolist() and not on_device[s:].any()
 
 
 def test_sampler_auto_plans_native_and_refuses_bad_input(logits):

@@ -264,7 +264,8 @@ def _loop_overhead(runner, sampler, plan, loaded, args) -> dict:
     """The Engine's decode step at --loop-batch rows (its median inter-token latency, every
     request decoding in lockstep) against the model's own step at that batch and the run's middle
     context: forward, LM head and sampling dispatched back to back, so host time hides behind the
-    device's. overhead_pct = how much longer the Engine's step is (the issue's <= 5 % goal)."""
+    device's. overhead_pct = how much longer the Engine's step is (the issue's <= 5 % goal).
+    host_phases: the engine thread's median ms per loop phase (`Engine.host_phases`)."""
     import jax
     import numpy as np
 
@@ -272,11 +273,13 @@ def _loop_overhead(runner, sampler, plan, loaded, args) -> dict:
 
     bs = min(args.loop_batch, args.e2e_requests, E2E_MAX_RUNNING)  # what the pool is sized for
     engine = _make_engine(runner, sampler, plan, loaded)
+    engine.time_host_phases()  # where the engine thread's step goes (jengine/engine/loop_clock.py)
     rng = np.random.default_rng(1)
     sampling = {"max_new_tokens": args.e2e_output, "temperature": 0.0, "ignore_eos": True}
     try:
         _, _, latency = _run_workload(engine, rng.integers(0, 32000, (bs, args.e2e_input)).tolist(),
                                       sampling)
+        host = engine.host_phases()
     finally:
         engine.shutdown()
     context = args.e2e_input + args.e2e_output // 2
@@ -298,9 +301,11 @@ def _loop_overhead(runner, sampler, plan, loaded, args) -> dict:
     engine_ms = latency.get("itl_p50_ms")
     out = {"batch": bs, "context": context, "model_step_ms": model_ms,
            "engine_step_ms": engine_ms, "overlap_schedule": plan.overlap_schedule,
-           "overhead_pct": 100 * (engine_ms / model_ms - 1) if engine_ms else None}
+           "overhead_pct": 100 * (engine_ms / model_ms - 1) if engine_ms else None,
+           "host_phases": host}
     print(f"[{args.numerics}] loop overhead bs={bs}, overlap {plan.overlap_schedule}: engine "
-          f"{engine_ms or 0:.2f} ms/step, model {model_ms:.2f} ms/step", flush=True)
+          f"{engine_ms or 0:.2f} ms/step, model {model_ms:.2f} ms/step; host "
+          + ", ".join(f"{k} {v:.3f}" for k, v in host.items() if k.endswith("_ms")), flush=True)
     return out
 
 

@@ -212,14 +212,21 @@ def _engine_section(engines: dict) -> list[str]:
     if loops:
         lines += ["Loop overhead: the Engine's decode step (its median inter-token latency, every "
                   "request decoding) against the model's own step (forward + LM head + sampling "
-                  "dispatched back to back) at the same batch and context; the goal is <= 5 %.", "",
-                  "| numerics | loop | batch, context | Engine ms/step | model ms/step | overhead |",
-                  "|---|---|---|---|---|---|"]
+                  "dispatched back to back) at the same batch and context; the goal is <= 5 %. "
+                  "Host ms/step: the engine thread's work per step, every loop phase but the wait "
+                  "for the device (median; jengine/engine/loop_clock.py).", "",
+                  "| numerics | loop | batch, context | Engine ms/step | model ms/step | overhead "
+                  "| host ms/step | schedule / dispatch / commit / process / emit ms |",
+                  "|---|---|---|---|---|---|---|---|"]
         for n, name, row in loops:
+            host = row.get("host_phases") or {}
+            phases = " / ".join(_fmt(host.get(f"{p}_ms"), ".2f")
+                                for p in ("schedule", "dispatch", "commit", "process", "emit"))
             lines.append(f"| `{n}` | {name.replace('_', ' ')} | {row.get('batch')}, "
                          f"{row.get('context')} | {_fmt(row.get('engine_step_ms'), '.2f')} | "
                          f"{_fmt(row.get('model_step_ms'), '.2f')} | "
-                         f"{_fmt(row.get('overhead_pct'), '.1f')} % |")
+                         f"{_fmt(row.get('overhead_pct'), '.1f')} % | "
+                         f"{_fmt(host.get('host_ms'), '.2f')} | {phases} |")
         lines.append("")
     return lines
 

@@ -19,6 +19,7 @@ import logging
 import time
 
 from jengine.engine.batch import placeholder
+from jengine.engine.loop_clock import NO_CLOCK, LoopClock
 from jengine.engine.output_processor import RequestState, StepOutput
 from jengine.engine.request import Req
 from jengine.engine.rl_control import RLControl
@@ -29,6 +30,8 @@ logger = logging.getLogger("jengine.engine")
 
 
 class EngineLoop(RLControl):
+    _clock = NO_CLOCK  # LoopClock once time_host_phases() is called
+
     # ---------------------------------------------------------------------------------------------
     # The loop (engine thread)
     # ---------------------------------------------------------------------------------------------
@@ -40,6 +43,8 @@ class EngineLoop(RLControl):
                     self._cv.wait()
                 stopping = self._stopping
                 inbox, self._inbox = ([], self._inbox) if stopping else (self._inbox, [])
+            clock = self._clock
+            clock.start()
             if stopping:
                 self._drain()  # its sealed requests finish; shutdown fails the rest
                 with self._cv:
@@ -56,13 +61,29 @@ class EngineLoop(RLControl):
                 except Exception:  # keep serving; the command's caller has been released
                     logger.exception("engine command %r failed", op)
             self._apply_waiting_swaps()
+            clock.lap("other")
+            stepped = True
             if self._can_step():
                 self._step()
                 self._apply_waiting_swaps()
             elif self._in_flight is not None:
                 self._drain()
                 self._apply_waiting_swaps()
+            else:
+                stepped = False
+            clock.lap("other")
             self._flush_events()
+            clock.lap("emit")
+            clock.end(stepped)
+
+    def time_host_phases(self) -> None:
+        """Time each phase of the loop from the next turn on (jengine/engine/loop_clock.py);
+        `host_phases()` reports them."""
+        self._clock = LoopClock()
+
+    def host_phases(self) -> dict:
+        """Median host ms per loop phase since `time_host_phases()` ({} if never called)."""
+        return self._clock.summary() if isinstance(self._clock, LoopClock) else {}
 
     def _can_step(self) -> bool:
         return self.scheduler.has_work() and not self._steps_blocked()
@@ -129,8 +150,10 @@ class EngineLoop(RLControl):
             for req in self.scheduler.finished_by_scheduler:
                 self._emit(req)
             self.scheduler.finished_by_scheduler.clear()
+            self._clock.lap("schedule")
         previous, self._in_flight = self._in_flight, None
         flight = self._dispatch(step, previous)
+        self._clock.lap("dispatch")
         if previous is not None:
             self._resolve(previous)
         if flight is None or step.batch is None:
@@ -138,6 +161,7 @@ class EngineLoop(RLControl):
         flight.started = t0
         if self._overlap:
             self._commit_ahead(flight)
+            self._clock.lap("commit")
             self._in_flight = flight
         else:
             self._resolve(flight)
@@ -199,27 +223,31 @@ class EngineLoop(RLControl):
             for seg in step.segments:
                 self._fail(seg.req, f"step failed: {exc!r}")
             return
+        finally:
+            self._clock.lap("wait")
+        generated = 0
         for seg in step.segments:
             if seg.req.finished:
                 # Finished after this step was built: aborted, failed, or (overlap) an eos that
                 # the step before it sampled. Its row is discarded; nothing is emitted.
                 continue
             try:
-                self._process(seg, results[id(seg)], committed=flight.committed)
+                generated += self._process(seg, results[id(seg)], committed=flight.committed)
             except Exception as exc:
                 logger.exception("post-processing request %s failed", seg.req.rid)
                 self._fail(seg.req, f"post-processing failed: {exc!r}")
-        with self._cv:
+        with self._cv:  # once per step, not per row
+            self._counters["generation_tokens"] += generated
             self._step_latency.append(time.perf_counter() - flight.started)
+        self._clock.lap("process")
 
-    def _process(self, seg: Segment, res: SegmentResult, committed: bool) -> None:
-        """committed: `_commit_ahead` already advanced the frontier and appended a placeholder."""
+    def _process(self, seg: Segment, res: SegmentResult, committed: bool) -> int:
+        """committed: `_commit_ahead` already advanced the frontier and appended a placeholder.
+        Returns the number of tokens generated (0 or 1)."""
         req = seg.req
         if not committed:
             self.scheduler.commit(seg)
         if seg.sample:
-            with self._cv:
-                self._counters["generation_tokens"] += 1
             (req.resolve_token if committed else req.append_token)(
                 res.token, eos_token_ids=self._eos_ids, max_context=self.max_context)
         elif req.num_computed == req.num_tokens and req.sampling.max_new_tokens == 0:
@@ -232,6 +260,7 @@ class EngineLoop(RLControl):
         ev.weight_version = self.weight_version
         if ev.new_token_ids or ev.finish_reason or ev.prompt_logprobs or ev.routed_experts is not None:
             self._events.append(ev)
+        return int(seg.sample)
 
     # ---------------------------------------------------------------------------------------------
     # Outputs

@@ -119,7 +119,10 @@ class Sampler:
         s, fields = self._sampling_fields(logits, rows)
         if s == 0:
             raise ValueError("sample_on_device: no rows")
-        return self._zero_padding(self._sample_padded(logits, s, fields), np.int32(s))
+        tokens = self._sample_padded(logits, s, fields)
+        if tokens.shape[0] == s and tokens.dtype == np.int32:
+            return tokens  # a full bucket has no padding rows: one program and one copy fewer
+        return self._zero_padding(tokens, np.int32(s))
 
     def _sampling_fields(self, logits, rows: SamplingRows) -> tuple[int, dict]:
         fields = {name: np.asarray(getattr(rows, name)) for name in

@@ -118,17 +118,7 @@ def dispatch_step(runner: Any, sampler: Any, step: ScheduledStep, input_logprob_
         reads.append(_sampled_reader(sampled, tokens, lps if want else None, tops))
     elif sampled:
         logits = runner.logits_at(hidden, step_rows[[s.sample_hidden for s in sampled]])
-        params = [s.req.sampling for s in sampled]
-        rows = SamplingRows(
-            temperature=np.array([p.temperature for p in params], np.float32),
-            top_k=np.array([p.top_k for p in params], np.int32),
-            top_p=np.array([p.top_p for p in params], np.float32),
-            min_p=np.array([p.min_p for p in params], np.float32),
-            seed=np.array([s.req.seed for s in sampled], np.uint32),
-            # The key of a draw is the absolute position the sampled token will occupy.
-            position=np.array([s.start + s.length for s in sampled], np.int32),
-        )
-        out.tokens = sampler.sample_on_device(logits, rows)
+        out.tokens = sampler.sample_on_device(logits, _sampling_rows(sampled))
         lps = sampler.token_logprobs_on_device(logits, out.tokens) if want else None
         tops = sampler.top_logprobs_on_device(logits, k, len(sampled)) if k else None
         reads.append(_sampled_reader(sampled, out.tokens, lps, tops))
@@ -152,14 +142,27 @@ def dispatch_step(runner: Any, sampler: Any, step: ScheduledStep, input_logprob_
     return out
 
 
+def _sampling_rows(sampled: list[Segment]) -> SamplingRows:
+    """The sampled rows' parameters, one pass over the rows (this runs for every step)."""
+    table = [(s.req.sampling.temperature, s.req.sampling.top_k, s.req.sampling.top_p,
+              s.req.sampling.min_p, s.req.seed, s.start + s.length) for s in sampled]
+    temperature, top_k, top_p, min_p, seed, position = zip(*table)
+    return SamplingRows(
+        temperature=np.array(temperature, np.float32), top_k=np.array(top_k, np.int32),
+        top_p=np.array(top_p, np.float32), min_p=np.array(min_p, np.float32),
+        seed=np.array(seed, np.uint32),
+        # The key of a draw is the absolute position the sampled token will occupy.
+        position=np.array(position, np.int32))
+
+
 def _sampled_reader(sampled: list[Segment], tokens, lps, tops):
     def read(results):
-        ids = np.asarray(tokens)
+        ids = np.asarray(tokens)[: len(sampled)].tolist()  # Python ints, one conversion
         values = None if lps is None else np.asarray(lps)
         top = None if tops is None else [np.asarray(a) for a in tops]
         for i, seg in enumerate(sampled):
             res = results[id(seg)]
-            res.token = int(ids[i])
+            res.token = ids[i]
             if values is not None:
                 res.token_logprob = values[i]
             if top is not None:
