@@ -105,6 +105,37 @@ def _merge(big_m, big_l, big_acc, m, l, acc, live):
 
 
 @triton.jit
+def _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base, m, l, acc, ROWS: tl.constexpr,
+                    W: tl.constexpr):
+    """One split's state at partial rows [base, base + ROWS); acc rows are W wide."""
+    rows = tl.arange(0, ROWS)
+    tl.store(part_m_ptr + base + rows, m)
+    tl.store(part_l_ptr + base + rows, l)
+    w = tl.arange(0, W)
+    tl.store(part_acc_ptr + (base + rows)[:, None] * W + w[None, :], acc)
+
+
+@triton.jit
+def _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0, max_pos, row_pos,
+                    ROWS: tl.constexpr, W: tl.constexpr, SPLIT: tl.constexpr):
+    """Every live split's stored state (split s at base0 + s * ROWS) folded in split order, as the
+    serial kernel folds them: the split and the serial schedules share this order and `_merge`."""
+    rows = tl.arange(0, ROWS)
+    w = tl.arange(0, W)
+    big_m = tl.full((ROWS,), float("-inf"), tl.float32)
+    big_l = tl.zeros((ROWS,), tl.float32)
+    big_acc = tl.zeros((ROWS, W), tl.float32)
+    for split in range(0, max_pos // SPLIT + 1):
+        base = base0 + split * ROWS
+        m = tl.load(part_m_ptr + base + rows)
+        l = tl.load(part_l_ptr + base + rows)
+        acc = tl.load(part_acc_ptr + (base + rows)[:, None] * W + w[None, :])
+        big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc,
+                                       split * SPLIT <= row_pos)
+    return big_l, big_acc
+
+
+@triton.jit
 def _store_out(out_ptr, big_l, big_acc, g, ok, tok, h, HQ: tl.constexpr, G: tl.constexpr,
                D: tl.constexpr):
     o = tl.math.div_rn(big_acc, big_l[:, None])
@@ -170,12 +201,8 @@ def attention_split_kernel(
             m, l, acc = _split_state(q, row_pos, max_pos, req, split, bt_ptr, k_ptr, v_ptr,
                                      page_size, table_width, scale, h, HKV, D,
                                      ROWS, BLOCK_N, SPLIT, IEEE)
-            rows = tl.arange(0, ROWS)
             base = ((tile.to(tl.int64) * HKV + h) * NSPLIT + split) * ROWS
-            tl.store(part_m_ptr + base + rows, m)
-            tl.store(part_l_ptr + base + rows, l)
-            d = tl.arange(0, D)
-            tl.store(part_acc_ptr + (base + rows)[:, None] * D + d[None, :], acc)
+            _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base, m, l, acc, ROWS, D)
 
 
 @triton.jit(do_not_specialize=["num_tiles"])
@@ -191,17 +218,8 @@ def attention_combine_kernel(
     t0, n_tok, req, max_pos = _tile(tiles_ptr, num_tiles, tile)
     if n_tok > 0:
         ROWS: tl.constexpr = TPP * GP
-        rows = tl.arange(0, ROWS)
         g, ok, tok, row_pos = _tile_rows(pos_ptr, t0, n_tok, G, GP, TPP)
-        big_m = tl.full((ROWS,), float("-inf"), tl.float32)
-        big_l = tl.zeros((ROWS,), tl.float32)
-        big_acc = tl.zeros((ROWS, D), tl.float32)
-        d = tl.arange(0, D)
-        for split in range(0, max_pos // SPLIT + 1):
-            base = ((tile.to(tl.int64) * HKV + h) * NSPLIT + split) * ROWS
-            m = tl.load(part_m_ptr + base + rows)
-            l = tl.load(part_l_ptr + base + rows)
-            acc = tl.load(part_acc_ptr + (base + rows)[:, None] * D + d[None, :])
-            big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc,
-                                           split * SPLIT <= row_pos)
+        base0 = (tile.to(tl.int64) * HKV + h) * NSPLIT * ROWS
+        big_l, big_acc = _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0, max_pos,
+                                         row_pos, ROWS, D, SPLIT)
         _store_out(out_ptr, big_l, big_acc, g, ok, tok, h, HQ, G, D)

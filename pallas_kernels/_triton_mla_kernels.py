@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pallas_kernels._triton_attention_kernels import _merge, _tile
+from pallas_kernels._triton_attention_kernels import _merge, _merge_partials, _store_partials, _tile
 from pallas_kernels._triton_kernels import expf as _expf
 
 
@@ -164,12 +164,8 @@ def mla_split_kernel(
             m, l, acc = _split_state(q_ptr, head, ok, tok, row_pos, max_pos, req, split, bt_ptr,
                                      lat_ptr, page_size, table_width, scale, vb * BV, H, R, P,
                                      ROWS, BV, BLOCK_K, BLOCK_N, SPLIT, IEEE)
-            rows = tl.arange(0, ROWS)
             base = _part_base(tile, hb, vb, split, HB, VB, NSPLIT, ROWS)
-            tl.store(part_m_ptr + base + rows, m)
-            tl.store(part_l_ptr + base + rows, l)
-            vv = tl.arange(0, BV)
-            tl.store(part_acc_ptr + (base + rows)[:, None] * BV + vv[None, :], acc)
+            _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base, m, l, acc, ROWS, BV)
 
 
 @triton.jit(do_not_specialize=["num_tiles"])
@@ -187,17 +183,8 @@ def mla_combine_kernel(
     t0, n_tok, req, max_pos = _tile(tiles_ptr, num_tiles, tile)
     if n_tok > 0:
         ROWS: tl.constexpr = TPP * BH
-        rows = tl.arange(0, ROWS)
-        vv = tl.arange(0, BV)
         head, ok, tok, row_pos = _tile_rows(pos_ptr, t0, n_tok, hb, H, BH, TPP)
-        big_m = tl.full((ROWS,), float("-inf"), tl.float32)
-        big_l = tl.zeros((ROWS,), tl.float32)
-        big_acc = tl.zeros((ROWS, BV), tl.float32)
-        for split in range(0, max_pos // SPLIT + 1):
-            base = _part_base(tile, hb, vb, split, HB, VB, NSPLIT, ROWS)
-            m = tl.load(part_m_ptr + base + rows)
-            l = tl.load(part_l_ptr + base + rows)
-            acc = tl.load(part_acc_ptr + (base + rows)[:, None] * BV + vv[None, :])
-            big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc,
-                                           split * SPLIT <= row_pos)
+        big_l, big_acc = _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr,
+                                         _part_base(tile, hb, vb, 0, HB, VB, NSPLIT, ROWS),
+                                         max_pos, row_pos, ROWS, BV, SPLIT)
         _store_out(out_ptr, big_l, big_acc, head, ok, tok, vb * BV, H, R, BV)
