@@ -35,6 +35,9 @@
 #   sweep_split    the same with the split schedule forced at every M (large-M leads)
 #   bench_engine   the end-to-end Engine workload, auto and rl-bitwise, overlap on and off, and
 #                  the loop overhead at bs 64
+#   bench_engine_cmdbuf  bench_engine with XLA command buffers (CUDA graphs) over fusions, cuBLAS
+#                  and custom calls: judge it by the loop-overhead row's dispatch ms (issue #19's
+#                  next lever), not by device time
 #   bench_server   256 streaming /generate clients against a server process, auto and rl-bitwise
 #   bench_hf       the HF transformers generate peer
 #   router_topk    scripts/gpu_router_topk.py: the (moe, router_topk) torch leaf vs live torch.topk
@@ -135,6 +138,7 @@ for s in "$@"; do
     sweep_prefill) step sweep_prefill 200 python3 -m jengine.cli bench --parts leaves --rows 1 64 4096 --iters 5 --leaf-shapes q/o_proj down_proj --tile-candidates 128,128,64,8,8,4,4 128,128,64,8,8,4,2 128,256,64,8,8,3,4 --part-timeout leaves=190 --out "$out/sweep_prefill" ;;
     sweep_split) step sweep_split 200 python3 -m jengine.cli bench --parts leaves --rows 1 64 4096 --iters 5 --leaf-shapes q/o_proj down_proj --tile-candidates 128,128,64,8,8,4,4:split 64,128,128,8,4,3,4:split 64,64,128,8,4,6,4:split 128,128,64,8,8,4,2 --part-timeout leaves=190 --out "$out/sweep_split" ;;
     bench_engine) step bench_engine 590 python3 -m jengine.cli bench --parts engine --part-timeout 285 --out "$out/bench_engine" ;;
+    bench_engine_cmdbuf) XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL" step bench_engine_cmdbuf 590 python3 -m jengine.cli bench --parts engine --part-timeout 285 --out "$out/bench_engine_cmdbuf" ;;
     bench_server) step bench_server 590 python3 -m jengine.cli bench --parts server --part-timeout 285 --out "$out/bench_server" ;;
     bench_hf) step bench_hf 200 python3 -m jengine.cli bench --parts hf --part-timeout 190 --out "$out/bench_hf" ;;
     router_topk) step router_topk 300 python3 scripts/gpu_router_topk.py --experts 8 128 --ks 1 2 4 8 32 64 --out "$out/router_topk" ;;
