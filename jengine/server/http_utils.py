@@ -47,21 +47,17 @@ def jsonable(obj: Any) -> Any:
     return str(obj)
 
 
-def _native(obj: Any) -> Any:
-    """json's hook for what it cannot write itself (numpy values, sets, dataclasses, paths)."""
-    return jsonable(obj)
-
-
 # One encoder for every response: json.dumps with options builds a new one per call. Everything
 # json writes natively (the engine's dicts, lists, tuples, ints, floats, strings) stays in its C
 # encoder -- a cumulative stream event is encoded per token per request, so walking it in Python
 # first (`jsonable`) cost the event loop more than the encoding itself. Floats are written by
 # float.__repr__ either way, so the bytes are those `jsonable` + json.dumps wrote, for every value
 # whose dict keys are strings or ints (all of ours; other keys take the `jsonable` path below).
+# `jsonable` is also json's hook for what it cannot write itself (numpy values, sets, dataclasses).
 _ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=True, separators=(",", ":"),
-                            default=_native)
+                            default=jsonable)
 _ASCII_ENCODER = json.JSONEncoder(ensure_ascii=True, allow_nan=True, separators=(",", ":"),
-                                  default=_native)
+                                  default=jsonable)
 
 
 def _encode(encoder: json.JSONEncoder, obj: Any) -> str:
