@@ -231,6 +231,11 @@ def _engine_section(engines: dict) -> list[str]:
     return lines
 
 
+def _vs_engine(server: dict, engines: dict, name: str) -> tuple:
+    """(server output tok/s, the in-process Engine's of the same numerics); None where missing."""
+    return server.get("output_tok_s"), (engines.get(name) or {}).get("output_tok_s")
+
+
 def _server_section(servers: dict, engines: dict) -> list[str]:
     if not servers:
         return []
@@ -243,7 +248,7 @@ def _server_section(servers: dict, engines: dict) -> list[str]:
                   "Engine | compiled inside the timing | TTFT ms p50 / p90 / p99 "
                   "| ITL ms p50 / p90 / p99 |", "|---|---|---|---|---|---|---|---|"]
         for n, r in done.items():
-            ours, engine = r.get("output_tok_s"), (engines.get(n) or {}).get("output_tok_s")
+            ours, engine = _vs_engine(r, engines, n)
             # No engine row of this numerics in the results: merge the engine part's bench.json
             # (`jengine bench --merge`) to get the ratio.
             ratio = f"{ours / engine:.2f}x" if ours and engine else "- (no engine row)"
@@ -381,7 +386,7 @@ def _loop_targets(results: dict) -> list[tuple[str, str, str]]:
         r = servers.get(name, {})
         target = (f"`{name}` " if name else "") + (
             f"server >= {SERVER_RATIO_TARGET:.2f} x the in-process Engine's output tok/s")
-        ours, engine = r.get("output_tok_s"), (engines.get(name) or {}).get("output_tok_s")
+        ours, engine = _vs_engine(r, engines, name)
         why = "part not run" if not r else f"no engine:{name} row in this run (--merge one)"
         out.append((target, f"{ours / engine:.2f}x ({ours:.0f} vs {engine:.0f} tok/s)",
                     status(ours / engine, SERVER_RATIO_TARGET, at_least=True, unit="x"))
