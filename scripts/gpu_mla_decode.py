@@ -41,7 +41,7 @@ def child(args) -> dict:
     t0 = time.time()
     runner, _, _ = random_runner(args.child, args.numerics, _model_launch(rows), layers=args.layers)
     build_s = time.time() - t0
-    compile_s, ms = _time_decode(runner, args.batch, args.context, args.iters)
+    compile_s, ms = _time_decode(runner, args.batch, args.context, args.iters)[:2]
     return {"build_s": round(build_s, 1), "compile_s": round(compile_s, 1), "ms": ms,
             "kernels": runner.kernels.describe()}
 

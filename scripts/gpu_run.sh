@@ -7,6 +7,11 @@
 # Steps:
 #   attention      scripts/gpu_attention.py: Triton attention bits, accuracy, per-layer timings
 #   attention_timing  the same, timings only
+#   cmdbuf_ab      decode bs 1 / 64 (both numerics) with XLA's default command buffers (CUDA
+#                  graphs) and with them off (--xla_gpu_enable_command_buffer=): blocked,
+#                  pipelined and dispatch ms
+#   attention_split scripts/gpu_attention_split.py: the split attention schedule (bs 1 / 16
+#                  decode) at other num_warps / num_stages: bits vs today, µs per layer
 #   attention_rows scripts/gpu_attention_rows.py: does the attention leaf's query tile (ROWS = 16
 #                  today) change any bit at 32 / 64 / 128 rows, and what it buys for prefill
 #   mla_digest     scripts/gpu_mla_digest.py: SHA-256 of the Triton MLA leaf's output bits on fixed
@@ -35,9 +40,10 @@
 #   sweep_split    the same with the split schedule forced at every M (large-M leads)
 #   bench_engine   the end-to-end Engine workload, auto and rl-bitwise, overlap on and off, and
 #                  the loop overhead at bs 64
-#   bench_engine_cmdbuf  bench_engine with XLA command buffers (CUDA graphs) over fusions, cuBLAS
-#                  and custom calls: judge it by the loop-overhead row's dispatch ms (issue #19's
-#                  next lever), not by device time
+#   bench_engine_rl  bench_engine for rl-bitwise alone (~190 s)
+#   bench_engine_nocmdbuf  bench_engine with XLA's command buffers (CUDA graphs, on by default
+#                  over fusions, cuBLAS, cuDNN and custom calls) off: on the H200 the loop's host
+#                  then blocks in dispatch on a full launch queue (docs/performance.md)
 #   bench_server   256 streaming /generate clients against a server process, auto and rl-bitwise
 #   bench_hf       the HF transformers generate peer
 #   router_topk    scripts/gpu_router_topk.py: the (moe, router_topk) torch leaf vs live torch.topk
@@ -114,6 +120,10 @@ for s in "$@"; do
     attention) step attention 240 python3 scripts/gpu_attention.py --out "$out" ;;
     mla_digest) step mla_digest 150 python3 "$(dirname "$0")/gpu_mla_digest.py" --out "$out/mla_digest.json" ;;
     mla_attention) step mla_attention 200 python3 scripts/gpu_mla_attention.py --out "$out/mla_attention" ;;
+    cmdbuf_ab)
+      step model_cbuf_default 240 python3 -m jengine.cli bench --parts model --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 115 --out "$out/model_cbuf_default"
+      XLA_FLAGS="--xla_gpu_enable_command_buffer=" step model_cbuf_off 240 python3 -m jengine.cli bench --parts model --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 115 --out "$out/model_cbuf_off" ;;
+    attention_split) step attention_split 200 python3 scripts/gpu_attention_split.py --out "$out/attention_split" ;;
     attention_rows) step attention_rows 240 python3 scripts/gpu_attention_rows.py --out "$out/attention_rows" ;;
     attention_timing) step attention_timing 150 python3 scripts/gpu_attention.py --skip-checks --out "$out" ;;
     gemm) step gemm 170 python3 scripts/gpu_validate.py --skip-harness --only gemm --out "$out/val" ;;
@@ -138,7 +148,8 @@ for s in "$@"; do
     sweep_prefill) step sweep_prefill 200 python3 -m jengine.cli bench --parts leaves --rows 1 64 4096 --iters 5 --leaf-shapes q/o_proj down_proj --tile-candidates 128,128,64,8,8,4,4 128,128,64,8,8,4,2 128,256,64,8,8,3,4 --part-timeout leaves=190 --out "$out/sweep_prefill" ;;
     sweep_split) step sweep_split 200 python3 -m jengine.cli bench --parts leaves --rows 1 64 4096 --iters 5 --leaf-shapes q/o_proj down_proj --tile-candidates 128,128,64,8,8,4,4:split 64,128,128,8,4,3,4:split 64,64,128,8,4,6,4:split 128,128,64,8,8,4,2 --part-timeout leaves=190 --out "$out/sweep_split" ;;
     bench_engine) step bench_engine 590 python3 -m jengine.cli bench --parts engine --part-timeout 285 --out "$out/bench_engine" ;;
-    bench_engine_cmdbuf) XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL" step bench_engine_cmdbuf 590 python3 -m jengine.cli bench --parts engine --part-timeout 285 --out "$out/bench_engine_cmdbuf" ;;
+    bench_engine_rl) step bench_engine_rl 300 python3 -m jengine.cli bench --parts engine --numerics rl-bitwise --part-timeout 285 --out "$out/bench_engine_rl" ;;
+    bench_engine_nocmdbuf) XLA_FLAGS="--xla_gpu_enable_command_buffer=" step bench_engine_nocmdbuf 590 python3 -m jengine.cli bench --parts engine --part-timeout 285 --out "$out/bench_engine_nocmdbuf" ;;
     bench_server) step bench_server 590 python3 -m jengine.cli bench --parts server --part-timeout 285 --out "$out/bench_server" ;;
     bench_hf) step bench_hf 200 python3 -m jengine.cli bench --parts hf --part-timeout 190 --out "$out/bench_hf" ;;
     router_topk) step router_topk 300 python3 scripts/gpu_router_topk.py --experts 8 128 --ks 1 2 4 8 32 64 --out "$out/router_topk" ;;

@@ -38,8 +38,9 @@ def _synthetic() -> dict:
                        "prefill_tokens": 4096, "prefill_ms": prefill_ms,
                        "decode_ms": {"1": auto_bs1, "64": auto_bs64},
                        "decode_pipelined_ms": {"1": auto_bs1 * 0.9, "64": pipe_bs64},
+                       "decode_dispatch_ms": {"1": 4.25, "64": 5.5},
                        "long_decode": {"batch": 16, "context": 8192, "ms": 40.0,
-                                       "pipelined_ms": 39.0}},
+                                       "pipelined_ms": 39.0, "dispatch_ms": 6.75}},
         "model:rl-bitwise": {"numerics": "rl-bitwise", "shape": "llama3-8b", "vocab": 131072,
                              "context": 1024, "prefill_tokens": 4096,
                              # ratios 1.04 (met) and 1.5 (missed by 0.45x)
@@ -95,6 +96,9 @@ def test_render_tables():
     assert "| decode bs 64, ctx 1024 |" in md and "| 1.50 |" in md  # the ratio column
     assert "| `auto` | 4096 |" in md and "| 65 % |" in md  # prefill: tok/s, TFLOP/s, % of peak
     assert "| decode bs 64, ctx 1024 | " in md and "| 72 % |" in md  # the pipelined column
+    # host dispatch per row: auto measured it, rl-bitwise's result predates it
+    assert "| decode bs 1, ctx 1024 | 4.25 | - |" in md
+    assert "| decode bs 16, ctx 8192 | 6.75 | - |" in md
     assert "| `auto` | 256 x (1024 + 256) | 40.00 | 1638 | 8192 | 6.40 |" in md
     assert "`engine --numerics rl-bitwise`: stopped (timeout after 540 s)" in md
     assert "| 64 x (1024 + 64) | static | cuda, bfloat16 | 3.00 | 0.50 |" in md

@@ -3,19 +3,22 @@ one prefill chunk, on the random-weight model."""
 
 from __future__ import annotations
 
+import statistics
 import time
 
 from jengine.bench.common import _checkpoint, _median_time, _pages, _pool_tokens, random_runner
 
 
-def _time_decode(runner, bs: int, context: int, iters: int) -> tuple[float, float, float]:
-    """(compile s, median ms, pipelined median ms) of one decode step: bs requests, each at
-    position `context` with its own pages (page 0 is the null page).
+def _time_decode(runner, bs: int, context: int, iters: int) -> tuple[float, float, float, float]:
+    """(compile s, median ms, pipelined median ms, dispatch median ms) of one decode step: bs
+    requests, each at position `context` with its own pages (page 0 is the null page).
 
     The first time blocks on every step, as the loop without overlap does: host time (Python,
     dispatch, argument transfers) adds to the device's. The pipelined time dispatches 8 steps back
     to back and blocks on the last, as the overlapped Engine loop runs them: the device's step time
-    when the host keeps ahead of it (jengine/engine/engine_loop.py)."""
+    when the host keeps ahead of it (jengine/engine/engine_loop.py). The dispatch time is how long
+    the calls take to return with the device idle: the host's share of a step (argument handling
+    and XLA's launch of every kernel), which the overlapped loop must keep under the device's."""
     import jax
     import numpy as np
 
@@ -36,7 +39,13 @@ def _time_decode(runner, bs: int, context: int, iters: int) -> tuple[float, floa
     blocked = _median_time(step, iters, warmup=1) * 1e3
     pipelined = _median_time(dispatch, iters, warmup=1, back_to_back=8,
                              sync=jax.block_until_ready) * 1e3
-    return compile_s, blocked, pipelined
+    launch = []
+    for _ in range(iters):
+        t1 = time.perf_counter()
+        out = dispatch()
+        launch.append(time.perf_counter() - t1)
+        jax.block_until_ready(out)
+    return compile_s, blocked, pipelined, statistics.median(launch) * 1e3
 
 
 def _time_prefill(runner, n: int, iters: int) -> float:
@@ -82,18 +91,19 @@ def part_model(args) -> dict:
            "kernels": runner.kernels.describe(), "shape": args.shape, "context": args.context,
            "prefill_tokens": args.prefill_tokens, "max_total_tokens": launch.max_total_tokens,
            "build_s": time.time() - t0, "decode_ms": {}, "decode_pipelined_ms": {},
-           "compile_s": {}}
+           "decode_dispatch_ms": {}, "compile_s": {}}
     for bs in args.batch_sizes:
-        (out["compile_s"][bs], out["decode_ms"][bs],
-         out["decode_pipelined_ms"][bs]) = _time_decode(runner, bs, args.context, args.iters)
+        (out["compile_s"][bs], out["decode_ms"][bs], out["decode_pipelined_ms"][bs],
+         out["decode_dispatch_ms"][bs]) = _time_decode(runner, bs, args.context, args.iters)
         print(f"[{args.numerics}] decode bs={bs}: {out['decode_ms'][bs]:.2f} ms blocked on, "
-              f"{out['decode_pipelined_ms'][bs]:.2f} ms pipelined", flush=True)
+              f"{out['decode_pipelined_ms'][bs]:.2f} ms pipelined, "
+              f"{out['decode_dispatch_ms'][bs]:.2f} ms to dispatch", flush=True)
         _checkpoint(args, out)
     if args.long_context:  # after the normal rows: a failure here keeps them
         bs, ctx = args.long_context_batch, args.long_context
-        compile_s, ms, pipelined = _time_decode(runner, bs, ctx, args.iters)
+        compile_s, ms, pipelined, launch_ms = _time_decode(runner, bs, ctx, args.iters)
         out["long_decode"] = {"batch": bs, "context": ctx, "ms": ms, "pipelined_ms": pipelined,
-                              "compile_s": compile_s}
+                              "dispatch_ms": launch_ms, "compile_s": compile_s}
         print(f"[{args.numerics}] decode bs={bs} ctx={ctx}: {ms:.2f} ms blocked on, "
               f"{pipelined:.2f} ms pipelined", flush=True)
         _checkpoint(args, out)

@@ -98,6 +98,14 @@ def pipelined_ms(r: dict, bs: int, ctx: int):
     return _at(r.get("decode_pipelined_ms") or {}, bs) if r.get("context", 1024) == ctx else None
 
 
+def dispatch_ms(r: dict, bs: int, ctx: int):
+    """How long the row's step calls took to return with the device idle (the host's share)."""
+    long = r.get("long_decode") or {}
+    if (long.get("batch"), long.get("context")) == (bs, ctx):
+        return long.get("dispatch_ms")
+    return _at(r.get("decode_dispatch_ms") or {}, bs) if r.get("context", 1024) == ctx else None
+
+
 def hbm_percent(ms, bs: int, ctx: int, r: dict, bw) -> float | None:
     """% of the HBM-bound step time reached (None off the Llama-3-8B shape or without a roofline)."""
     if not (ms and bw) or r.get("shape", ROOFLINE_SHAPE) != ROOFLINE_SHAPE:
@@ -153,6 +161,17 @@ def _model_section(models: dict, bw, peak) -> list[str]:
             lines.append(f"| decode bs {bs}, ctx {ctx} | " + " | ".join(cells)
                          + f" | {_fmt(ratio, '.2f')} |")
         lines.append("")
+        if any(r.get("decode_dispatch_ms") for r in models.values()):
+            lines += ["Host dispatch: how long a step's calls take to return with the device "
+                      "idle (argument handling and XLA launching every kernel). A pipelined step "
+                      "cannot be shorter.", "",
+                      "| row | " + " | ".join(f"{n} dispatch ms" for n in names) + " |",
+                      "|---|" + "---|" * len(names)]
+            for (bs, ctx), per in rows.items():
+                lines.append(f"| decode bs {bs}, ctx {ctx} | " + " | ".join(
+                    _fmt(dispatch_ms(per.get(n, (None, {}))[1], bs, ctx), ".2f") for n in names)
+                    + " |")
+            lines.append("")
     prefill = {n: prefill_stats(r, peak) for n, r in models.items()}
     if any(prefill.values()):
         lines += [f"| prefill (one chunk) | tokens | ms | tok/s | TFLOP/s | % of GEMM peak "

@@ -1,0 +1,145 @@
+"""Does the split attention schedule's launch shape change any bit, and what does it buy at the
+few-row decode steps it runs? An experiment for issue #19 (at bs 1 the split kernel and its combine
+take ~17 + 7 µs per layer for 4 MB of KV: latency, not bandwidth).
+
+    python scripts/gpu_attention_split.py [--out DIR] [--smoke]
+
+The split kernel's programs each walk SPLIT / BLOCK_N = 8 KV tiles; num_stages sets how many
+tiles' loads are in flight ahead of the math, num_warps how many warps share a tile's rows (which
+could change the row sums' order: measured here). The block table is as wide as the engine's for
+an 8k context (33 splits per row, most of them empty programs at ctx 1024), as the model bench
+runs it. Every output's float bits are compared with the launch every step runs today (4 warps,
+2 stages for both kernels); the control (SPLIT 128) must differ. Llama-3-8B heads, bf16, shuffled
+16-token pages; device µs of split + combine, captured in a CUDA graph and replayed 200 times. Writes
+attention_split.json / .md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import gpu_attention_rows as rows_exp  # noqa: E402
+import torch  # noqa: E402
+
+ta = rows_exp.ta
+TODAY = (4, 2, 4, 2)  # split kernel (warps, stages), combine kernel (warps, stages)
+ENGINE_WIDTH = 8192 // rows_exp.PAGE + 1  # block-table pages of an 8k-context launch
+
+
+def widen(case, width):
+    q, k, v, table, req, pos = case
+    wide = torch.zeros(table.shape[0], max(width, table.shape[1]), dtype=table.dtype,
+                       device=table.device)
+    wide[:, :table.shape[1]] = table
+    return q, k, v, wide, req, pos
+
+
+def split_launch(case, warps, stages, cwarps, cstages, split=None):
+    """The leaf's split schedule with these launch settings: (run, output). `run` launches only
+    the two kernels (tiles and buffers are made once), so a CUDA graph of it times the device."""
+    q, k, v, table, req, pos = case
+    c = dict(ta._constexprs(q, k), SPLIT=split or ta.SPLIT)
+    tiles = ta.tiles_torch(req, pos, c["TPP"])
+    t = q.shape[0]
+    nsplit = ta.cdiv(rows_exp.PAGE * table.shape[1], c["SPLIT"])
+    n = t * c["HKV"] * nsplit * c["TPP"] * c["GP"]
+    parts = (torch.empty(n, dtype=torch.float32, device=q.device),
+             torch.empty(n, dtype=torch.float32, device=q.device),
+             torch.empty(n, c["D"], dtype=torch.float32, device=q.device))
+    inputs = (q, k, v, table, pos, tiles, t, rows_exp.PAGE, table.shape[1], rows_exp.D ** -0.5)
+    out = torch.empty_like(q)
+
+    def run():
+        rows_exp.torch_launch(ta.kernels().attention_split_kernel, inputs, parts,
+                              (t, c["HKV"], nsplit), num_warps=warps, num_stages=stages,
+                              enable_fp_fusion=False, **c, NSPLIT=nsplit)
+        rows_exp.torch_launch(ta.kernels().attention_combine_kernel, (pos, tiles, t, *parts),
+                              (out,), (t, c["HKV"]), num_warps=cwarps, num_stages=cstages,
+                              enable_fp_fusion=False, **ta._combine_constexprs(c), NSPLIT=nsplit)
+    run()
+    return run, out
+
+
+def device_us(run, iters=200) -> float:
+    """µs per run on the device: `run` captured once in a CUDA graph and replayed back to back
+    (Triton's Python launcher costs more host time per launch than the kernels take)."""
+    if rows_exp.DEV == "cpu":
+        return float("nan")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters * 1e3
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="/tmp/attention_split")
+    p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny cases")
+    args = p.parse_args()
+    if args.smoke:  # before the kernels' module is imported: the interpreter is chosen then
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                        "tests"))
+        import triton_interpreter  # noqa: F401
+        rows_exp.DEV = "cpu"
+    os.makedirs(args.out, exist_ok=True)
+    gen = torch.Generator().manual_seed(0)
+    mk = rows_exp.make_case
+    width = 40 if args.smoke else ENGINE_WIDTH
+    cases = {"decode 1 x ctx 300": mk(gen, [301], [1])} if args.smoke else {
+        "decode 1 x ctx 1024": mk(gen, [1025], [1]),
+        "decode 1 x ctx 4096": mk(gen, [4097], [1]),
+        "decode 16 x ctx 1024": mk(gen, [1025] * 16, [1] * 16),
+        "decode 16 x ctx 8192": mk(gen, [8193] * 16, [1] * 16),
+    }
+    configs = [TODAY, (4, 3, 4, 2)] if args.smoke else [
+        TODAY, (4, 3, 4, 2), (4, 4, 4, 2), (2, 2, 4, 2), (2, 3, 4, 2), (8, 2, 4, 2),
+        (4, 2, 2, 1), (4, 2, 8, 2), (4, 4, 2, 1)]
+    rows = []
+    for name, case in cases.items():
+        case = widen(case, width)
+        ref = split_launch(case, *TODAY)[1]
+        control = rows_exp.rows_differ(ref, split_launch(case, *TODAY, split=128)[1])
+        print(f"== {name}: control (SPLIT 128) differs in {control} rows", flush=True)
+        for cfg in configs:
+            try:
+                run, out = split_launch(case, *cfg)
+                n = rows_exp.rows_differ(ref, out)
+                us = device_us(run)
+                err = None
+            except Exception as exc:  # noqa: BLE001 -- a config that does not compile is a result
+                n, us, err = None, None, f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows.append(dict(case=name, split_warps=cfg[0], split_stages=cfg[1],
+                             combine_warps=cfg[2], combine_stages=cfg[3], rows_differ=n, us=us,
+                             control_rows_differ=control, error=err))
+            print(f"   split w{cfg[0]} s{cfg[1]}, combine w{cfg[2]} s{cfg[3]}: differ {n} rows, "
+                  f"{'-' if us is None else f'{us:.1f} us'}{'' if err is None else ' ' + err}",
+                  flush=True)
+    with open(os.path.join(args.out, "attention_split.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(os.path.join(args.out, "attention_split.md"), "w") as f:
+        f.write("| case | split warps / stages | combine warps / stages | rows differing from "
+                "today | µs per layer (split + combine) |\n|---|---|---|---|---|\n")
+        for r in rows:
+            us = "-" if r["us"] is None else f"{r['us']:.1f}"
+            f.write(f"| {r['case']} | {r['split_warps']} / {r['split_stages']} | "
+                    f"{r['combine_warps']} / {r['combine_stages']} | "
+                    f"{r['rows_differ'] if r['error'] is None else r['error']} | {us} |\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
