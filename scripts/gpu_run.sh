@@ -45,6 +45,7 @@
 #                  over fusions, cuBLAS, cuDNN and custom calls) off: on the H200 the loop's host
 #                  then blocks in dispatch on a full launch queue (docs/performance.md)
 #   bench_server   256 streaming /generate clients against a server process, auto and rl-bitwise
+#   bench_server_auto  the same for auto alone (~120 s; its ratio needs an engine row: --merge)
 #   bench_hf       the HF transformers generate peer
 #   router_topk    scripts/gpu_router_topk.py: the (moe, router_topk) torch leaf vs live torch.topk
 #                  (ids and value bits; random, tied, cutoff-tied, near-tied; alone vs packed)
@@ -151,6 +152,7 @@ for s in "$@"; do
     bench_engine_rl) step bench_engine_rl 300 python3 -m jengine.cli bench --parts engine --numerics rl-bitwise --part-timeout 285 --out "$out/bench_engine_rl" ;;
     bench_engine_nocmdbuf) XLA_FLAGS="--xla_gpu_enable_command_buffer=" step bench_engine_nocmdbuf 590 python3 -m jengine.cli bench --parts engine --part-timeout 285 --out "$out/bench_engine_nocmdbuf" ;;
     bench_server) step bench_server 590 python3 -m jengine.cli bench --parts server --part-timeout 285 --out "$out/bench_server" ;;
+    bench_server_auto) step bench_server_auto 300 python3 -m jengine.cli bench --parts server --numerics auto --part-timeout 285 --out "$out/bench_server_auto" ;;
     bench_hf) step bench_hf 200 python3 -m jengine.cli bench --parts hf --part-timeout 190 --out "$out/bench_hf" ;;
     router_topk) step router_topk 300 python3 scripts/gpu_router_topk.py --experts 8 128 --ks 1 2 4 8 32 64 --out "$out/router_topk" ;;
     router_topk_mid) step router_topk_mid 300 python3 scripts/gpu_router_topk.py --experts 64 160 --ks 6 12 16 33 50 --out "$out/router_topk_mid" ;;

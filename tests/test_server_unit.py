@@ -18,7 +18,7 @@ from jengine.launch import ServerOptions
 from jengine.engine.io_struct import RequestLimits
 from jengine.engine.request import InvalidRequest, SamplingParams, derive_sample_seeds
 from jengine.server.app import create_app
-from jengine.server.async_engine import RequestStream
+from jengine.server.async_engine import LoopWakeups, RequestStream
 from jengine.server.gil import favour_engine_thread
 from jengine.server.http_utils import dumps_bytes, jsonable
 from jengine.server.metrics import _after_overlap
@@ -411,24 +411,28 @@ def test_failure_inside_a_stream_ends_it_with_an_error_event():
         assert not eng._running and c.get("/health").status_code == 200
 
 
+class _StreamOwner:
+    def _observe(self, handle, update):
+        pass
+
+    def _forget(self, rid):
+        pass
+
+
+def _cumulative(ids, finished=False):
+    return {"text": "".join(map(str, ids)), "output_ids": ids, "finished": finished,
+            "meta_info": {"output_token_logprobs": [(-0.5, i, None) for i in ids]}}
+
+
 def test_a_stream_behind_the_engine_gets_the_newest_output_with_every_token_it_missed():
     """Outputs are cumulative: offered faster than they are read, only the newest is handed over,
     and its delta holds every token since the last one read (SGLang's out_list[-1])."""
     import asyncio
 
-    class Owner:
-        def _observe(self, handle, update):
-            pass
-
-        def _forget(self, rid):
-            pass
-
-    def out(ids, finished=False):
-        return {"text": "".join(map(str, ids)), "output_ids": ids, "finished": finished,
-                "meta_info": {"output_token_logprobs": [(-0.5, i, None) for i in ids]}}
+    out = _cumulative
 
     async def run():
-        stream = RequestStream(Owner(), "r", asyncio.get_running_loop())
+        stream = RequestStream(_StreamOwner(), "r", LoopWakeups(asyncio.get_running_loop()))
         updates = stream.updates()
         stream.offer(out([7]))
         first = await updates.__anext__()
@@ -444,6 +448,31 @@ def test_a_stream_behind_the_engine_gets_the_newest_output_with_every_token_it_m
     assert first.new_ids == [7] and first.new_text == "7" and not first.finished
     assert second.new_ids == [8, 9, 10] and second.new_text == "8910" and second.finished
     assert [t[1] for t in second.new_logprobs] == [8, 9, 10]
+
+
+def test_a_steps_offers_to_many_streams_wake_the_loop_once():
+    """The engine thread offers every running request an output per step: one self-pipe write and
+    one loop callback for the batch, not one per request; every stream still gets its output."""
+    import asyncio
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        scheduled = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda cb, *a: (scheduled.append(cb), real(cb, *a))[1]
+        wakeups = LoopWakeups(loop)
+        streams = [RequestStream(_StreamOwner(), f"r{i}", wakeups) for i in range(64)]
+        readers = [s.updates() for s in streams]
+        engine = threading.Thread(target=lambda: [
+            s.offer(_cumulative([i], finished=True)) for i, s in enumerate(streams)])
+        engine.start()
+        engine.join()  # all 64 offered before the loop runs any wake-up
+        got = [await r.__anext__() for r in readers]
+        return len(scheduled), got
+
+    n, got = asyncio.run(run())
+    assert n == 1
+    assert [u.new_ids for u in got] == [[i] for i in range(64)] and all(u.finished for u in got)
 
 
 def test_dumps_writes_the_bytes_the_jsonable_walk_wrote():
