@@ -45,7 +45,10 @@
 #                  over fusions, cuBLAS, cuDNN and custom calls) off: on the H200 the loop's host
 #                  then blocks in dispatch on a full launch queue (docs/performance.md)
 #   bench_server   256 streaming /generate clients against a server process, auto and rl-bitwise
-#   bench_server_auto  the same for auto alone (~120 s; its ratio needs an engine row: --merge)
+#   bench_server_auto  the same for auto alone (~120 s; its ratio needs an engine row: --merge).
+#                  Both server steps need the server's wheels in .whl (fastapi, uvicorn, starlette,
+#                  pydantic and pydantic-core for cp312, annotated-types, typing-inspection):
+#                  the image has none of them (docs/gpu-validation.md, 2026-12-01)
 #   bench_hf       the HF transformers generate peer
 #   router_topk    scripts/gpu_router_topk.py: the (moe, router_topk) torch leaf vs live torch.topk
 #                  (ids and value bits; random, tied, cutoff-tied, near-tied; alone vs packed)
