@@ -14,7 +14,9 @@ from jengine import bench
 from jengine.bench import e2e as bench_e2e
 from jengine.bench import model as bench_model
 from jengine.bench.compare import compare_rows, render_comparison
-from jengine.bench.report import decode_bytes, prefill_flops, render, target_rows
+from jengine.bench.measures import decode_bytes, prefill_flops
+from jengine.bench.report import render
+from jengine.bench.targets import target_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BW, PEAK = 4.0, 600.0  # TB/s, TFLOP/s of the synthetic roofline

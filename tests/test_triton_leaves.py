@@ -236,7 +236,7 @@ def test_guarded_import_restores_the_cache_dir(fake_jax_triton, monkeypatch, pre
 
 
 def test_bench_bytes_match_the_published_llama3_8b_size():
-    from jengine.bench.report import decode_bytes
+    from jengine.bench.measures import decode_bytes
 
     weights_read = decode_bytes(0, 0, 128256) / 2  # every projection + the LM head, 2 bytes each
     embedding, norms = 128256 * 4096, (2 * 32 + 1) * 4096

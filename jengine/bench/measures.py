@@ -1,0 +1,109 @@
+"""What a `jengine bench` result measures, computed the same way by the report and the targets:
+byte and FLOP counts of the Llama-3-8B shape (bf16), decode rows, percentages of the roofline.
+
+  decode step reads every projection weight once, the LM head once, and each request's KV:
+    weights = 32 * (2*4096*4096 + 2*1024*4096 + 3*14336*4096) + vocab*4096 parameters, 2 bytes each
+    KV      = batch * context * 32 layers * 2 (K, V) * 8 heads * 128 * 2 bytes
+  prefill of n tokens (one request, LM head on the last row only):
+    2 * 32 * (projection parameters) * n  +  attention 2 * 2 * n^2/2 * 4096 * 32
+"""
+
+from __future__ import annotations
+
+LAYER_PARAMS = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096
+KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
+ROOFLINE_SHAPE = "llama3-8b"  # the byte and FLOP counts above are for this shape only
+
+
+def decode_bytes(batch: int, context: int, vocab: int) -> float:
+    return (32 * LAYER_PARAMS + vocab * 4096) * 2 + batch * context * KV_BYTES_PER_TOKEN
+
+
+def prefill_flops(n: int) -> float:
+    return 2 * 32 * LAYER_PARAMS * n + 2 * 2 * (n * n / 2) * 4096 * 32
+
+
+def fmt(v, spec=".1f"):
+    return "-" if v is None else format(v, spec)
+
+
+def at(d: dict, key):
+    """d[key] for an int key that JSON turned into a string."""
+    return d.get(str(key), d.get(key)) if d else None
+
+
+def status(value, target: float, *, at_least: bool, unit: str = "") -> str:
+    """'**met**' or '**missed** by <gap><unit>' (None: 'not measured')."""
+    if value is None:
+        return "not measured"
+    if (value >= target) if at_least else (value <= target):
+        return "**met**"
+    return f"**missed** by {abs(target - value):.2f}{unit}"
+
+
+def not_measured(part: dict | None, what: str = "part not run") -> str:
+    if part and "error" in part:
+        return f"not measured ({part['error']})"
+    return f"not measured ({what})"
+
+
+def by_numerics(results: dict, part: str) -> dict:
+    return {k.split(":", 1)[1]: r for k, r in results.items()
+            if k.startswith(part + ":") and isinstance(r, dict)}
+
+
+def decode_rows(models: dict) -> dict:
+    """{(batch, context): {numerics: (ms, model result)}} over the normal and the long-context rows."""
+    rows: dict = {}
+    for name, r in models.items():
+        for bs, ms in (r.get("decode_ms") or {}).items():
+            rows.setdefault((int(bs), r.get("context", 1024)), {})[name] = (ms, r)
+        long = r.get("long_decode")
+        if long and long.get("ms"):
+            rows.setdefault((long["batch"], long["context"]), {})[name] = (long["ms"], r)
+    return dict(sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])))
+
+
+def pipelined_ms(r: dict, bs: int, ctx: int):
+    """The row's step time dispatched back to back (jengine/bench/model.py), None if not measured."""
+    long = r.get("long_decode") or {}
+    if (long.get("batch"), long.get("context")) == (bs, ctx):
+        return long.get("pipelined_ms")
+    return at(r.get("decode_pipelined_ms") or {}, bs) if r.get("context", 1024) == ctx else None
+
+
+def dispatch_ms(r: dict, bs: int, ctx: int):
+    """How long the row's step calls took to return with the device idle (the host's share)."""
+    long = r.get("long_decode") or {}
+    if (long.get("batch"), long.get("context")) == (bs, ctx):
+        return long.get("dispatch_ms")
+    return at(r.get("decode_dispatch_ms") or {}, bs) if r.get("context", 1024) == ctx else None
+
+
+def hbm_percent(ms, bs: int, ctx: int, r: dict, bw) -> float | None:
+    """% of the HBM-bound step time reached (None off the Llama-3-8B shape or without a roofline)."""
+    if not (ms and bw) or r.get("shape", ROOFLINE_SHAPE) != ROOFLINE_SHAPE:
+        return None
+    return 100 * decode_bytes(bs, ctx, r.get("vocab", 128256)) / (bw * 1e12) / (ms * 1e-3)
+
+
+def prefill_stats(r: dict, peak) -> tuple | None:
+    """(tokens, ms, tok/s, TFLOP/s, % of peak) of a model result's prefill chunk; the last two
+    are None off the Llama-3-8B shape (the FLOP count is its), the last without a roofline."""
+    ms, n = r.get("prefill_ms"), r.get("prefill_tokens")
+    if not (ms and n):
+        return None
+    if r.get("shape", ROOFLINE_SHAPE) != ROOFLINE_SHAPE:
+        return n, ms, n / ms * 1e3, None, None
+    tflops = prefill_flops(n) / (ms * 1e-3) / 1e12
+    return n, ms, n / ms * 1e3, tflops, 100 * tflops / peak if peak else None
+
+
+def numerics_ratio(times: dict):
+    a, b = times.get("auto"), times.get("rl-bitwise")
+    return b / a if a and b else None
+
+
+def vs_engine(server: dict, engines: dict, name: str) -> tuple:
+    """(server output tok/s, the in-process Engine's of the same numerics); None where missing."""
+    return server.get("output_tok_s"), (engines.get(name) or {}).get("output_tok_s")
