@@ -55,20 +55,24 @@ def test_tp2_is_close_to_tp1(probe, name, tolerance):
 
 def test_rl_bitwise_tp2_is_run_and_batch_invariant(probe):
     """At TP2 under rl-bitwise: the same prompt gives the same logit bits on a second run, and
-    alone (16-row bucket) as packed after another request (32-row bucket)."""
+    alone (16-row bucket) as packed after another request (32-row bucket) or after five (a
+    134-row step, the negative control's)."""
     run = probe["rl-bitwise"]
     assert run["logits_elements"] > 0
     assert run["run_differing_tp2"] == 0
     assert run["batch_differing_tp2"] == 0
+    assert run["big_batch_differing_tp2"] == 0
 
 
 def test_auto_tp2_is_not_batch_invariant(probe):
     """The negative control of the test above: the same comparison under auto (XLA's own dot,
-    whose blocking follows the row count) finds differing bits (measured: 328k of 393k f32
-    logits), so the check can fail."""
+    whose blocking follows the row count) finds differing bits, so the check can fail. It packs
+    the prompt into a 134-row step: between 16 and 32 rows XLA's CPU dot changes its summation
+    order on an AVX-512 machine (328k of 393k f32 logits differed) but not on an AVX2 one (0),
+    and a control must fail on every CI processor; at 134 rows the AVX2 machine differs in 368k."""
     run = probe["auto-f32"]
     assert run["logits_elements"] > 0
-    assert run["batch_differing_tp2"] > 0
+    assert run["big_batch_differing_tp2"] > 0
 
 
 def test_tp_larger_than_kv_heads_replicates_them(probe):

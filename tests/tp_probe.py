@@ -26,11 +26,15 @@ from jengine.launch import plan_launch  # noqa: E402
 from jengine.models import load_model  # noqa: E402
 from jengine.numerics import resolve_launch  # noqa: E402
 
-OPTIONS = dict(max_total_tokens=512, chunked_prefill_size=32, max_prefill_tokens=64,
-               max_running_requests=4, skip_warmup=True)
+OPTIONS = dict(max_total_tokens=1024, chunked_prefill_size=32, max_prefill_tokens=256,
+               max_running_requests=8, skip_warmup=True)
 rng = np.random.default_rng(0)
 PROMPT_A = rng.integers(1, 32768, 12).tolist()
 PROMPT_B = rng.integers(1, 32768, 19).tolist()
+# Five more prompts: packed before PROMPT_A they make a 134-row step. XLA's CPU dot keeps its
+# summation order across 16- and 32-row steps on some processors (AVX2: 0 logits differ in f32 at
+# TP2) but not across 16 and 134 rows, so the negative control packs this many.
+BIG_PACK = [np.random.default_rng(1).integers(1, 32768, n).tolist() for n in (21, 30, 17, 25, 29)]
 
 
 def logits_of(runner, prompts):
@@ -98,6 +102,7 @@ def main():
             logits_differing_tp2_vs_tp1=differing(alone1, alone2),
             run_differing_tp2=differing(alone2, again2),
             batch_differing_tp2=differing(alone2, packed2),
+            big_batch_differing_tp2=differing(alone2, logits_of(r2, BIG_PACK + [PROMPT_A])[-1]),
             logits_elements=int(alone2.size),
         )
         out[name] = entry
