@@ -132,7 +132,8 @@ def test_unbuilt_or_inert_moe_switches_are_refused(moe_dir, loaded):
 def test_moe_backend_selects_the_expert_path(moe_dir, loaded):
     """--moe-backend: auto is the einsum path (portable) when nothing requires batch invariance and
     the per-expert GEMM plans (batch_invariant) under rl-bitwise; the two agree within f32 rounding
-    (1e-4) and are different programs (measured: their logits differ in some bits)."""
+    (1e-4). Whether their bits differ depends on the CPU's dot kernels (some in an AVX-512 run, none
+    on an AVX2 machine), so it is not asserted: the plans above show the switch acts."""
     def runner(**launch):
         return ModelRunner(loaded.config, loaded.checkpoint,
                            _plan(moe_dir, loaded, dtype="float32", **launch).runner)
@@ -144,7 +145,6 @@ def test_moe_backend_selects_the_expert_path(moe_dir, loaded):
     ids = np.random.default_rng(4).integers(0, 32768, size=20)
     a, b = _prefill_logits(auto, ids), _prefill_logits(explicit, ids)
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
-    assert np.any(a.view(np.uint32) != b.view(np.uint32))
 
 
 def _row_count_gemm(x, w, bias=None, *, out_dtype):
