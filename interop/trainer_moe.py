@@ -22,10 +22,15 @@ A DeepSeek-V3 MoE block then computes ``experts(...) + shared_experts(x)`` with 
 the shared SwiGLU's GEMMs and SiLU are routed aten ops, and the add is one bf16 rounding, as the
 engine's `DeepseekMoE` does (jengine/models/layers/deepseek_moe.py).
 
-Zero experts (``LongcatFlashExperts``: ids >= num_routed_experts are identities): such a slot's term
+Zero experts (LongCat-Flash: ids >= the number of real experts are identities): such a slot's term
 is x * weight (the weight rounded to the model dtype first, as the real experts' is), rounded to the
 model dtype, in its slot of the same f32 slot-order fold -- the engine's
-``SparseMoE.combine(identity=...)``. HF instead adds x * f32 weight in ascending expert id in bf16.
+``SparseMoE.combine(identity=...)``. HF handles them in one of two places by version: up to 5.24
+``LongcatFlashExperts`` adds x * f32 weight in ascending expert id in bf16; from 5.25
+``LongcatFlashMoE`` sums the identity weights, sends those slots to a real expert with weight 0
+and adds x * sum afterwards. Neither is the engine's fold, so the whole ``ZERO_EXPERT_BLOCKS``
+forward is replaced too (router call, then ``experts_forward`` with the identity slots), which
+serves both versions.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ TORCH_TOPK_ROUTERS = ("Qwen3MoeTopKRouter",)
 GROUPED_ROUTERS = ("DeepseekV3TopkRouter",)
 SOFTMAX_BIAS_ROUTERS = ("LongcatFlashTopkRouter",)
 SLOT_ORDER_EXPERTS = ("Qwen3MoeExperts", "DeepseekV3Experts", "LongcatFlashExperts")
+ZERO_EXPERT_BLOCKS = ("LongcatFlashMoE",)
 UNSET = object()  # a restore entry whose attribute the module did not have (deleted on restore)
 
 
@@ -65,7 +71,9 @@ def route_experts(mode, model) -> int:
                                                                    False):
             raise TwinError(f"trainer mode: {type(module).__name__} is expert-parallel "
                             "(transformers' EP); run the trainer's experts unsharded")
-    return _replace_forwards(mode, model, {name: experts_forward for name in SLOT_ORDER_EXPERTS})
+    return _replace_forwards(mode, model, {
+        **{name: experts_forward for name in SLOT_ORDER_EXPERTS},
+        **{name: _zero_expert_block_forward for name in ZERO_EXPERT_BLOCKS}})
 
 
 def _replace_forwards(mode, model, forwards) -> int:
@@ -145,7 +153,21 @@ def _softmax_bias_router_forward(mode, router, hidden_states):
     return (router_logits, weights, ids) if _returns_logits(type(router)) else (weights, ids)
 
 
-def experts_forward(mode, experts, hidden_states, top_k_index, top_k_weights):
+def _zero_expert_block_forward(mode, block, hidden_states):
+    """LongcatFlashMoE.forward: the router (a module call, so its hooks run; whichever 2- or
+    3-value form it returns, weights and ids are the last two), then the engine's expert path
+    with every id past the real experts an identity slot. The real experts are those with
+    weights (``down_proj``'s first axis), in 5.24's layout and 5.25's alike."""
+    shape = hidden_states.shape
+    hidden_states = hidden_states.reshape(-1, shape[-1])
+    weights, ids = block.router(hidden_states)[-2:]
+    out = experts_forward(mode, block.experts, hidden_states, ids, weights,
+                          identities_from=block.experts.down_proj.shape[0])
+    return out.reshape(shape)
+
+
+def experts_forward(mode, experts, hidden_states, top_k_index, top_k_weights,
+                    identities_from=None):
     """The engine's expert path (jengine/models/layers/moe.py) in torch ops trainer mode routes.
 
     For each expert e and the rows routed to it: gate = x W_gate^T and up = x W_up^T as two
@@ -155,17 +177,16 @@ def experts_forward(mode, experts, hidden_states, top_k_index, top_k_weights):
     model dtype (inside the activation, as the engine applies it), y = h W_down^T. A token's
     k outputs are added in f32 in slot order 0..k-1 and rounded once (``slot_order_sum``,
     --moe-combine-order slot). Plain torch ops throughout, so autograd differentiates it with its
-    own formulas."""
+    own formulas. ``identities_from``: the first zero expert's id (LongCat), None without any."""
     import torch.nn.functional as F
 
     tokens, k = top_k_index.shape
     inter = getattr(experts, "intermediate_dim", None) or experts.intermediate_size
-    real = getattr(experts, "num_routed_experts", None)  # LongCat: the ids past it are identities
     slots = hidden_states.new_zeros(tokens, k, hidden_states.shape[-1])
     for e in torch.unique(top_k_index).tolist():
         token_idx, slot = torch.where(top_k_index == e)
         x = hidden_states[token_idx]
-        if real is not None and e >= real:  # a zero expert: x * weight, one rounding
+        if identities_from is not None and e >= identities_from:  # a zero expert: x * weight, one rounding
             slots = slots.index_put((token_idx, slot),
                                     x * top_k_weights[token_idx, slot, None].to(x.dtype))
             continue

@@ -11,9 +11,9 @@ routed_scaling_factor 6, a non-zero correction bias, vocab 32768).
 Tolerances against HF eager, and why: fp32 1e-4 (the whole-model bound of tests/test_models_hf.py;
 HF attends over expanded keys and values where the engine absorbs). bf16: the absorbed MLA, the
 slot-order expert fold and the weight inside the activation are other roundings than HF's, and a
-router decision near a tie can flip between them (a whole expert's term changes), so bf16 asks only
-that the top-1 token agree where HF's margin is clear (> 0.5) on most rows; the bitwise claims are
-the trainer-mode alignment and the harness.
+router decision near a tie can flip between them (a whole expert's term changes), so bf16 is held
+to HF's fp32 logits with HF's own bf16 error as the yardstick (mean error, top-1 on most rows; the
+test says the factors and why); the bitwise claims are the trainer-mode alignment and the harness.
 """
 
 from __future__ import annotations
@@ -116,17 +116,22 @@ def test_fp32_logits_and_greedy_match_hf(model_dir, loaded):
 
 
 def test_bf16_lora_scale_runtime_and_folded(model_dir, loaded):
-    """Both forms serve HF's model (top-1 agrees where HF's margin is clear); they are other
-    bits: runtime rounds q * s_q and c * s_kv, folded rounds w * s once into each norm weight."""
+    """Both forms serve HF's model, measured against HF's fp32 logits with HF's own bf16 forward
+    as the yardstick: a mean error at most 4x HF bf16's and fp32's top-1 on at least 75 % of the
+    rows. (Measured with transformers 5.25: runtime 0.93x and 96 %, folded 2.8x and 88 %, HF bf16
+    100 %; folded rounds w * s once into each norm weight, which moves every token's normalised
+    activations, hence the 4x. Means, not maxima: one router decision near a tie changes a
+    whole expert's term in a row.) They are other bits: runtime rounds q * s_q and c * s_kv."""
     ids = np.random.default_rng(2).integers(0, VOCAB, size=24)
-    _, ref = _hf_logits(model_dir, "bfloat16", ids)
-    top2 = np.sort(ref, axis=-1)[:, -2:]
-    clear = (top2[:, 1] - top2[:, 0]) > 0.5
-    assert clear.sum() >= 4
+    _, ref = _hf_logits(model_dir, "float32", ids)
+    _, hf_bf16 = _hf_logits(model_dir, "bfloat16", ids)
+    yardstick = np.abs(hf_bf16 - ref).mean()
+    assert 0 < yardstick < 0.1, yardstick  # bf16 noise, not a broken reference
     logits = {}
     for form in ("runtime", "folded"):
         logits[form] = _prefill_logits(_runner(model_dir, loaded, mla_lora_scale=form), ids)
-        assert (logits[form].argmax(-1) == ref.argmax(-1))[clear].mean() >= 0.75, form
+        assert np.abs(logits[form] - ref).mean() <= 4 * yardstick, form
+        assert (logits[form].argmax(-1) == ref.argmax(-1)).mean() >= 0.75, form
     assert (float_bits(logits["runtime"]) != float_bits(logits["folded"])).any()
 
 
