@@ -10,7 +10,7 @@
 #   cmdbuf_ab      decode bs 1 / 64 (both numerics) with XLA's default command buffers (CUDA
 #                  graphs) and with them off (--xla_gpu_enable_command_buffer=): blocked,
 #                  pipelined and dispatch ms
-#   cmdbuf_update_free  the model rows of cmdbuf_ab with XLA's update-free command buffers
+#   cmdbuf_update_free  the model rows of cmdbuf_ab, default and with XLA's update-free command buffers
 #                  (--xla_gpu_command_buffer_update_mode=FULL_UPDATE_FREE: graphs recorded once
 #                  against remapped virtual addresses, not updated each call); then goldens_check
 #                  under the same XLA_FLAGS before adopting it
@@ -131,7 +131,8 @@ for s in "$@"; do
     cmdbuf_ab)
       step model_cbuf_default 240 python3 -m jengine.cli bench --parts model --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 115 --out "$out/model_cbuf_default"
       XLA_FLAGS="--xla_gpu_enable_command_buffer=" step model_cbuf_off 240 python3 -m jengine.cli bench --parts model --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 115 --out "$out/model_cbuf_off" ;;
-    cmdbuf_update_free)  # not run yet: does this jaxlib know the flag, and what does it do to dispatch?
+    cmdbuf_update_free)  # the default first, in the same call, as the baseline
+      step model_cbuf_default 240 python3 -m jengine.cli bench --parts model --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 115 --out "$out/model_cbuf_default"
       XLA_FLAGS="--xla_gpu_command_buffer_update_mode=FULL_UPDATE_FREE" step model_cbuf_update_free 240 python3 -m jengine.cli bench --parts model --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 115 --out "$out/model_cbuf_update_free" ;;
     attention_split) step attention_split 200 python3 scripts/gpu_attention_split.py --out "$out/attention_split" ;;
     attention_rows) step attention_rows 240 python3 scripts/gpu_attention_rows.py --out "$out/attention_rows" ;;

@@ -19,7 +19,6 @@ import asyncio
 import os
 import statistics
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -74,14 +73,12 @@ async def _run(streams: int, steps: int) -> tuple[list[float], list[float]]:
         outs = [{"text": "x" * step, "output_ids": list(range(step)), "meta_info": {},
                  "finished": finished} for _ in range(streams)]
         t_wall = time.perf_counter()
-        done = threading.Event()
 
         def offer_all():
             t0 = time.thread_time()
             for cb, out in zip(engine.callbacks, outs):
                 cb(out)
             cpu_us.append((time.thread_time() - t0) * 1e6)
-            done.set()
 
         await loop.run_in_executor(None, offer_all)
         await all_seen.wait()
