@@ -186,7 +186,7 @@ def experts_forward(mode, experts, hidden_states, top_k_index, top_k_weights,
     for e in torch.unique(top_k_index).tolist():
         token_idx, slot = torch.where(top_k_index == e)
         x = hidden_states[token_idx]
-        if identities_from is not None and e >= identities_from:  # a zero expert: x * weight, one rounding
+        if identities_from is not None and e >= identities_from:  # zero expert: x * w, one rounding
             slots = slots.index_put((token_idx, slot),
                                     x * top_k_weights[token_idx, slot, None].to(x.dtype))
             continue
