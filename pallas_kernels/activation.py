@@ -29,3 +29,16 @@ def silu(x):
 
 
 silu_torch = torch_twin(silu)
+
+
+# --numerics auto's SiLU: the same expression, left to XLA. On a GPU the triton_elementwise leaf
+# (TUNED) gives torch's bits but is a custom call, and jax-triton's custom calls are not captured
+# in XLA's command buffers: each one splits the step's CUDA graph, so the step paid a graph launch
+# and a kernel launch more per layer on the host (H200 profile, docs/performance.md). Here XLA
+# fuses silu(gate) * up into one kernel inside the graph. Its GPU division is not IEEE-rounded, so
+# it does not declare the batch_invariant feature: rl-bitwise keeps the leaves whose bits are the
+# contract's (triton_elementwise on a GPU, elementwise elsewhere -- the same HLO as this leaf).
+@register("activation", "silu", "xla_native", formats={"bf16", "f32"}, hardware={"any"},
+          priority=Priority.TUNED + 1, traits={"deterministic": True, "batch_invariant": True})
+def silu_xla_native(x):
+    return silu(x)

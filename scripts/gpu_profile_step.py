@@ -31,6 +31,39 @@ def build_runner(numerics: str, batch: int, context: int, shape: str):
     return random_runner(shape, numerics, launch)[0]
 
 
+def host_dispatch(runner, batch, n: int) -> dict:
+    """How long each of the step's calls takes to return with the device idle, and where the
+    Python side of that time goes."""
+    import cProfile
+    import io
+    import pstats
+    import statistics
+
+    import jax
+
+    times = collections.defaultdict(list)
+    for _ in range(n):
+        t0 = time.perf_counter()
+        hidden = runner.forward_padded(batch)
+        t1 = time.perf_counter()
+        logits = runner.logits_at(hidden, batch.hidden_rows)
+        t2 = time.perf_counter()
+        jax.block_until_ready(logits)
+        times["forward_padded"].append((t1 - t0) * 1e3)
+        times["logits_at"].append((t2 - t1) * 1e3)
+    prof = cProfile.Profile()
+    calls = 10
+    for _ in range(calls):
+        prof.enable()
+        logits = runner.logits_at(runner.forward_padded(batch), batch.hidden_rows)
+        prof.disable()
+        jax.block_until_ready(logits)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    return {"ms": {k: statistics.median(v) for k, v in times.items()}, "calls": calls,
+            "python": text.getvalue().strip()}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--numerics", default="auto")
@@ -63,6 +96,7 @@ def main() -> int:
     for _ in range(args.steps):
         step()
     wall_ms = (time.perf_counter() - t0) / args.steps * 1e3
+    dispatch = host_dispatch(runner, batch, args.steps * 4)
     logdir = f"/tmp/jprof_{args.numerics}_{bs}"
     with jax.profiler.trace(logdir, create_perfetto_trace=True):
         for _ in range(args.steps):
@@ -95,9 +129,28 @@ def main() -> int:
              f"wall per step (host included): {wall_ms:.2f} ms; device events per step: "
              f"{device_us / 1e3:.2f} ms on line {busiest!r}", "",
              "lines (ms/step): " + ", ".join(f"{k}: {v / args.steps / 1e3:.2f}"
-                                            for k, v in per_line.most_common(8)), "",
-             "| line | kernel | ms/step | share of busiest line | calls/step |",
-             "|---|---|---|---|---|"]
+                                            for k, v in per_line.most_common(8))]
+    lines += ["", "## Host", "",
+              ("Dispatch with the device idle (median ms; each call returns once its kernels are "
+               "enqueued): " + ", ".join(f"{k} {v:.2f}" for k, v in dispatch["ms"].items())), "",
+              (f"The Python side of those calls (cProfile over {dispatch['calls']} dispatches, "
+               "seconds in all; the compiled call's C++ is its caller's own time):"),
+              "", "```", dispatch["python"], "```", "",
+              ("Host-thread trace events (inclusive ms per step: nested events are counted in "
+               "their parents too):"), "", "| thread | event | ms/step | calls/step |",
+              "|---|---|---|---|"]
+    host = collections.Counter()
+    host_n = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") not in device_pids:
+            key = (threads.get((e["pid"], e.get("tid")), str(e.get("tid"))), e["name"])
+            host[key] += e.get("dur", 0)
+            host_n[key] += 1
+    for (line, name), us in host.most_common(30):
+        lines.append(f"| {line[:30]} | {name[:90]} | {us / args.steps / 1e3:.3f} | "
+                     f"{host_n[(line, name)] / args.steps:.0f} |")
+    lines += ["", "## Device", "", "| line | kernel | ms/step | share of busiest line | calls/step |",
+              "|---|---|---|---|---|"]
     shown = [line for line, _ in per_line.most_common(4)]
     for (line, name), us in total.most_common():
         limit = 40 if line == busiest else 10

@@ -48,6 +48,8 @@
 #   bench_engine_nocmdbuf  bench_engine with XLA's command buffers (CUDA graphs, on by default
 #                  over fusions, cuBLAS, cuDNN and custom calls) off: on the H200 the loop's host
 #                  then blocks in dispatch on a full launch queue (docs/performance.md)
+#   cmdbuf_modes   every --xla_gpu_command_buffer_update_mode this jaxlib accepts: the decode
+#                  rows (dispatch column) under each (scripts/gpu_cmdbuf_modes.sh)
 #   bench_server   256 streaming /generate clients against a server process, auto and rl-bitwise
 #   bench_server_auto  the same for auto alone (~120 s; its ratio needs an engine row: --merge).
 #                  Both server steps need the server's wheels in .whl (fastapi, uvicorn, starlette,
@@ -134,6 +136,7 @@ for s in "$@"; do
     cmdbuf_update_free)  # the default first, in the same call, as the baseline
       step model_cbuf_default 240 python3 -m jengine.cli bench --parts model --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 115 --out "$out/model_cbuf_default"
       XLA_FLAGS="--xla_gpu_command_buffer_update_mode=FULL_UPDATE_FREE" step model_cbuf_update_free 240 python3 -m jengine.cli bench --parts model --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 115 --out "$out/model_cbuf_update_free" ;;
+    cmdbuf_modes) step cmdbuf_modes 400 bash scripts/gpu_cmdbuf_modes.sh "$out/cmdbuf_modes" ;;
     attention_split) step attention_split 200 python3 scripts/gpu_attention_split.py --out "$out/attention_split" ;;
     attention_rows) step attention_rows 240 python3 scripts/gpu_attention_rows.py --out "$out/attention_rows" ;;
     attention_timing) step attention_timing 150 python3 scripts/gpu_attention.py --skip-checks --out "$out" ;;

@@ -92,6 +92,32 @@ def test_silu_matches_torch_form_and_is_elementwise():
     assert np.all(np.abs(out - ref) <= 2.0 ** -8 * np.abs(ref) + 1e-30)
 
 
+
+@pytest.mark.parametrize("hardware", ["cpu", "gpu"])
+def test_auto_plans_silu_for_xla_fusion_and_rl_bitwise_keeps_the_contract_leaf(hardware):
+    """--numerics auto (no required feature) gets the xla_native SiLU, which XLA fuses and keeps
+    inside its command buffers; a batch_invariant request never does (on a GPU its division is
+    not torch's): it gets the portable leaf, or on a GPU the Triton leaf where triton is here."""
+    from pallas_kernels.registry import REGISTRY
+
+    def plan(**kw):
+        return REGISTRY.plan("activation", "silu", formats={"bf16"}, hardware=hardware,
+                             **kw).leaf.impl
+
+    assert plan() == "xla_native"
+    impls = {leaf.impl for leaf in REGISTRY.leaves("activation", "silu")}
+    gpu_leaf = "triton_elementwise" if "triton_elementwise" in impls else "elementwise"
+    assert plan(features={"batch_invariant"}) == (gpu_leaf if hardware == "gpu" else "elementwise")
+
+
+def test_xla_native_silu_is_the_portable_leafs_program_on_the_cpu():
+    """The same expression: on the CPU, auto's SiLU bits are the rl-bitwise leaf's."""
+    x = bf16(64, 50, scale=4.0)
+    want = np.asarray(jax.jit(activation.silu)(x).astype(jnp.float32))
+    got = np.asarray(jax.jit(activation.silu_xla_native)(x).astype(jnp.float32))
+    assert count_bit_differences(want, got) == 0
+
+
 # -- attention ------------------------------------------------------------------------------------
 
 PAGE, HQ, HKV, D = 4, 4, 2, 16
