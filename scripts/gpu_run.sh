@@ -10,10 +10,6 @@
 #   cmdbuf_ab      decode bs 1 / 64 (both numerics) with XLA's default command buffers (CUDA
 #                  graphs) and with them off (--xla_gpu_enable_command_buffer=): blocked,
 #                  pipelined and dispatch ms
-#   cmdbuf_update_free  the model rows of cmdbuf_ab, default and with XLA's update-free command buffers
-#                  (--xla_gpu_command_buffer_update_mode=FULL_UPDATE_FREE: graphs recorded once
-#                  against remapped virtual addresses, not updated each call); then goldens_check
-#                  under the same XLA_FLAGS before adopting it
 #   attention_split scripts/gpu_attention_split.py: the split attention schedule (bs 1 / 16
 #                  decode) at other num_warps / num_stages: bits vs today, µs per layer
 #   attention_rows scripts/gpu_attention_rows.py: does the attention leaf's query tile (ROWS = 16
@@ -53,7 +49,8 @@
 #   bench_server   256 streaming /generate clients against a server process, auto and rl-bitwise
 #   bench_server_auto  the same for auto alone (~120 s; its ratio needs an engine row: --merge).
 #                  Both server steps need the server's wheels in .whl (fastapi, uvicorn, starlette,
-#                  pydantic and pydantic-core for cp312, annotated-types, typing-inspection):
+#                  pydantic and pydantic-core for cp312, annotated-types, typing-inspection,
+#                  and for fastapi >= 0.16x opentelemetry-api and annotated-doc):
 #                  the image has none of them (docs/gpu-validation.md, 2026-12-01)
 #   bench_hf       the HF transformers generate peer
 #   router_topk    scripts/gpu_router_topk.py: the (moe, router_topk) torch leaf vs live torch.topk
@@ -133,9 +130,6 @@ for s in "$@"; do
     cmdbuf_ab)
       step model_cbuf_default 240 python3 -m jengine.cli bench --parts model --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 115 --out "$out/model_cbuf_default"
       XLA_FLAGS="--xla_gpu_enable_command_buffer=" step model_cbuf_off 240 python3 -m jengine.cli bench --parts model --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 115 --out "$out/model_cbuf_off" ;;
-    cmdbuf_update_free)  # the default first, in the same call, as the baseline
-      step model_cbuf_default 240 python3 -m jengine.cli bench --parts model --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 115 --out "$out/model_cbuf_default"
-      XLA_FLAGS="--xla_gpu_command_buffer_update_mode=FULL_UPDATE_FREE" step model_cbuf_update_free 240 python3 -m jengine.cli bench --parts model --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 115 --out "$out/model_cbuf_update_free" ;;
     cmdbuf_modes) step cmdbuf_modes 400 bash scripts/gpu_cmdbuf_modes.sh "$out/cmdbuf_modes" ;;
     attention_split) step attention_split 200 python3 scripts/gpu_attention_split.py --out "$out/attention_split" ;;
     attention_rows) step attention_rows 240 python3 scripts/gpu_attention_rows.py --out "$out/attention_rows" ;;
