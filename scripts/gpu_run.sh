@@ -44,6 +44,9 @@
 #   bench_engine_nocmdbuf  bench_engine with XLA's command buffers (CUDA graphs, on by default
 #                  over fusions, cuBLAS, cuDNN and custom calls) off: on the H200 the loop's host
 #                  then blocks in dispatch on a full launch queue (docs/performance.md)
+#   plan_ab_attention  auto's decode / prefill rows with the Triton attention and with XLA's paged
+#                  attention (scripts/gpu_plan_ab.py unregisters the Triton leaf): does a step in
+#                  one CUDA graph beat the faster kernel? (_xla_attention_only: the second half)
 #   cmdbuf_modes   every --xla_gpu_command_buffer_update_mode this jaxlib accepts: the decode
 #                  rows (dispatch column) under each (scripts/gpu_cmdbuf_modes.sh)
 #   bench_server   256 streaming /generate clients against a server process, auto and rl-bitwise
@@ -130,6 +133,10 @@ for s in "$@"; do
     cmdbuf_ab)
       step model_cbuf_default 240 python3 -m jengine.cli bench --parts model --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 115 --out "$out/model_cbuf_default"
       XLA_FLAGS="--xla_gpu_enable_command_buffer=" step model_cbuf_off 240 python3 -m jengine.cli bench --parts model --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 115 --out "$out/model_cbuf_off" ;;
+    plan_ab_attention)  # auto's model rows with the Triton attention, then with XLA's (the next leaf)
+      step model_auto_default 200 python3 -m jengine.cli bench --parts model --numerics auto --iters 10 --batch-sizes 1 64 --long-context 0 --part-timeout 190 --out "$out/model_auto_default"
+      step model_auto_xla_attention 200 python3 scripts/gpu_plan_ab.py --without attention.paged.triton_fixed_split --out "$out/model_auto_xla_attention.json" -- --numerics auto --iters 10 --batch-sizes 1 64 --long-context 0 ;;
+    plan_ab_xla_attention_only) step model_auto_xla_attention 200 python3 scripts/gpu_plan_ab.py --without attention.paged.triton_fixed_split --out "$out/model_auto_xla_attention.json" -- --numerics auto --iters 10 --batch-sizes 1 64 --long-context 0 ;;
     cmdbuf_modes) step cmdbuf_modes 400 bash scripts/gpu_cmdbuf_modes.sh "$out/cmdbuf_modes" ;;
     attention_split) step attention_split 200 python3 scripts/gpu_attention_split.py --out "$out/attention_split" ;;
     attention_rows) step attention_rows 240 python3 scripts/gpu_attention_rows.py --out "$out/attention_rows" ;;
