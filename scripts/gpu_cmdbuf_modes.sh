@@ -9,7 +9,7 @@ out=$1
 mkdir -p "$out"
 XLA_FLAGS="--xla_jengine_no_such_flag=1" python3 -c "import jax; jax.devices()" > "$out/xla_help.txt" 2>&1
 grep -i -A2 "command_buffer\|graph_min\|graph_level" "$out/xla_help.txt" > "$out/xla_cmdbuf_flags.txt"
-cat "$out/xla_cmdbuf_flags.txt" | cut -c1-400
+cut -c1-400 "$out/xla_cmdbuf_flags.txt"
 for mode in NEVER_UPDATE SKIP_TEMP SKIP_PROFILED CAPTURE_CMD_NEVER_UPDATE VMM_PERSISTENT_TEMP FULL_UPDATE_FREE; do
   flags="--xla_gpu_command_buffer_update_mode=$mode"
   if ! XLA_FLAGS="$flags" timeout 60 python3 -c "import jax, jax.numpy as jnp; print(jax.jit(lambda x: x * 2 + 1)(jnp.ones(4)))" > "$out/probe_$mode.log" 2>&1; then
