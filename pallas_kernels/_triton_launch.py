@@ -85,15 +85,86 @@ def import_jax_triton():
     return jax_triton
 
 
+# jaxlib registers two custom-call targets for a compiled Triton kernel. jax-triton 0.3.1 emits the
+# legacy one, "triton_kernel_call" (a status-returning custom call): XLA cannot put it in a command
+# buffer (a CUDA graph), so each launch ends the graph before it (the tenth session's profile:
+# rl-bitwise ran its ~600 kernels one by one, no graph at all). "triton_kernel_call_ffi" is
+# jaxlib's typed-FFI handler for the same kernel proto (the one Pallas' Triton lowering uses since
+# jaxlib 0.10.3), declared command-buffer compatible; it takes the zlib-compressed proto as the
+# attribute "opaque". Same PTX, same launch parameters: only the host side of the call changes.
+# Measured on the H200 (docs/performance.md, eleventh session): with it the whole decode step is
+# one CUDA graph, and that is no faster: the pipelined step is unchanged (the device is the
+# bound), and a step blocked on gets 1.4-3.5 ms slower, since nothing runs on the device until the
+# host has updated and launched the step's one graph. So the legacy call stays the default and
+# JENGINE_TRITON_CALL=ffi is the switch for the next measurement.
+FFI_TARGET = "triton_kernel_call_ffi"
+LEGACY_TARGET = "triton_kernel_call"
+_ffi_lowering_registered = False
+
+
+def custom_call_target() -> str:
+    """The custom-call target the JAX launches use: jax-triton's own unless JENGINE_TRITON_CALL=ffi
+    (the command-buffer-compatible one; see above)."""
+    import os
+
+    choice = os.environ.get("JENGINE_TRITON_CALL", "legacy")
+    if choice not in ("ffi", "legacy"):
+        raise ValueError(f"JENGINE_TRITON_CALL={choice!r}: expected 'ffi' or 'legacy'")
+    return FFI_TARGET if choice == "ffi" else LEGACY_TARGET
+
+
+def restate_as_ffi(op):
+    """Replace a lowered legacy Triton custom call `op` (its backend_config the compressed proto)
+    by the same call to FFI_TARGET, the proto passed as the FFI attribute "opaque"; returns the new
+    op. The new op is built by jax's own custom_call, so it is spelled as this jax version spells
+    any typed-FFI call (as Pallas' does); layouts and aliases are carried over."""
+    from jax._src.interpreters import mlir  # custom_call is not in the public module
+
+    op = getattr(op, "operation", op)
+    new = mlir.custom_call(FFI_TARGET, result_types=[r.type for r in op.results],
+                           operands=list(op.operands),
+                           backend_config={"opaque": op.attributes["backend_config"]})
+    for name in ("operand_layouts", "result_layouts", "output_operand_aliases"):
+        if name in op.attributes:
+            new.operation.attributes[name] = op.attributes[name]
+    op.erase()
+    return new
+
+
+def _register_ffi_lowering(jt) -> None:
+    """Lower calls whose target is FFI_TARGET through jax-triton's own lowering (which compiles the
+    kernel and builds the proto), then restate the custom call as a typed-FFI one."""
+    global _ffi_lowering_registered
+    if _ffi_lowering_registered:
+        return
+    import functools
+
+    from jax.interpreters import mlir
+
+    lib = jt.triton_lib
+    base = functools.partial(lib.triton_kernel_call_lowering, lib.get_cuda_backend)
+
+    def lowering(ctx, *args, custom_call_target_name, **params):
+        if custom_call_target_name != FFI_TARGET:
+            return base(ctx, *args, custom_call_target_name=custom_call_target_name, **params)
+        # jax-triton spells every call as a legacy one: build that, then restate it.
+        results = base(ctx, *args, custom_call_target_name=LEGACY_TARGET, **params)
+        return restate_as_ffi(results[0].owner).results
+
+    mlir.register_lowering(lib.triton_kernel_call_p, lowering, platform="cuda")
+    _ffi_lowering_registered = True
+
+
 def jax_launch(kernel, inputs: Sequence[Any], out_shapes, grid, *, num_warps: int,
                num_stages: int, enable_fp_fusion: bool = True, **constexprs):
     """Launch `kernel` from JAX. `inputs` are arrays then Python scalars, in kernel order.
     enable_fp_fusion=False: no mul+add contraction (LLVM contract off, ptxas --fmad=false)."""
     jt = import_jax_triton()
-
+    _register_ffi_lowering(jt)
     return jt.triton_call(*inputs, kernel=kernel, out_shape=out_shapes, grid=grid,
                           num_warps=num_warps, num_stages=num_stages,
-                          enable_fp_fusion=enable_fp_fusion, **constexprs)
+                          enable_fp_fusion=enable_fp_fusion,
+                          custom_call_target_name=custom_call_target(), **constexprs)
 
 
 def torch_launch(kernel, inputs: Sequence[Any], outputs: Sequence[Any], grid, *, num_warps: int,

@@ -41,12 +41,18 @@
 #   bench_engine   the end-to-end Engine workload, auto and rl-bitwise, overlap on and off, and
 #                  the loop overhead at bs 64
 #   bench_engine_rl  bench_engine for rl-bitwise alone (~190 s)
+#   bench_e2e_auto the engine and server parts for auto in one run (no loop-overhead rows): the
+#                  server's ratio to the Engine, and where each run's time went (loop phases
+#                  summed over the run, the server's CPU per thread, the clients' CPU), ~300 s
 #   bench_engine_nocmdbuf  bench_engine with XLA's command buffers (CUDA graphs, on by default
 #                  over fusions, cuBLAS, cuDNN and custom calls) off: on the H200 the loop's host
 #                  then blocks in dispatch on a full launch queue (docs/performance.md)
 #   plan_ab_attention  auto's decode / prefill rows with the Triton attention and with XLA's paged
 #                  attention (scripts/gpu_plan_ab.py unregisters the Triton leaf): does a step in
 #                  one CUDA graph beat the faster kernel? (_xla_attention_only: the second half)
+#   triton_call_ab decode bs 1 / 64 (both numerics) with the Triton leaves called through
+#                  jax-triton's legacy custom call (the default), then through jaxlib's
+#                  command-buffer-compatible FFI target (JENGINE_TRITON_CALL=ffi): blocked, pipelined, dispatch
 #   cmdbuf_modes   every --xla_gpu_command_buffer_update_mode this jaxlib accepts: the decode
 #                  rows (dispatch column) under each (scripts/gpu_cmdbuf_modes.sh)
 #   bench_server   256 streaming /generate clients against a server process, auto and rl-bitwise
@@ -55,6 +61,9 @@
 #                  pydantic and pydantic-core for cp312, annotated-types, typing-inspection,
 #                  and for fastapi >= 0.16x opentelemetry-api and annotated-doc):
 #                  the image has none of them (docs/gpu-validation.md, 2026-12-01)
+#   server_diag    two server runs for auto (~110 s each): the clients unstreamed (--server-stream
+#                  off: what the per-token events cost), and the server's GIL switch interval at
+#                  0.1 ms instead of 0.5 ms (is the engine thread waiting for the GIL?)
 #   bench_hf       the HF transformers generate peer
 #   router_topk    scripts/gpu_router_topk.py: the (moe, router_topk) torch leaf vs live torch.topk
 #                  (ids and value bits; random, tied, cutoff-tied, near-tied; alone vs packed)
@@ -82,6 +91,8 @@
 #   goldens_record scripts/goldens.py record: tiny, families and production-width goldens on the
 #                  GPU (ids + logprob bits, trainer dumps on CUDA) -> $out/h200.json
 #   goldens_check  scripts/goldens.py check tests/goldens/h200.json: every bit unchanged
+#   goldens_check_ffi  the same with the Triton leaves called through jaxlib's FFI target
+#                  (JENGINE_TRITON_CALL=ffi; the step in one CUDA graph)
 #   rl_loop_prod   examples/rl_loop.py on a Llama-3-8B-width 2-layer random checkpoint: rollouts from
 #                  a real rl-bitwise server, the trainer on CUDA under trainer mode, weights pushed
 #                  back over /update_weights_from_tensor; then scripts/memory_release_check.py on
@@ -137,6 +148,9 @@ for s in "$@"; do
       step model_auto_default 200 python3 -m jengine.cli bench --parts model --numerics auto --iters 10 --batch-sizes 1 64 --long-context 0 --part-timeout 190 --out "$out/model_auto_default"
       step model_auto_xla_attention 200 python3 scripts/gpu_plan_ab.py --without attention.paged.triton_fixed_split --out "$out/model_auto_xla_attention.json" -- --numerics auto --iters 10 --batch-sizes 1 64 --long-context 0 ;;
     plan_ab_xla_attention_only) step model_auto_xla_attention 200 python3 scripts/gpu_plan_ab.py --without attention.paged.triton_fixed_split --out "$out/model_auto_xla_attention.json" -- --numerics auto --iters 10 --batch-sizes 1 64 --long-context 0 ;;
+    triton_call_ab)
+      JENGINE_TRITON_CALL=legacy step model_triton_legacy 240 python3 -m jengine.cli bench --parts model --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 115 --out "$out/model_triton_legacy"
+      JENGINE_TRITON_CALL=ffi step model_triton_ffi 240 python3 -m jengine.cli bench --parts model --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 115 --out "$out/model_triton_ffi" ;;
     cmdbuf_modes) step cmdbuf_modes 400 bash scripts/gpu_cmdbuf_modes.sh "$out/cmdbuf_modes" ;;
     attention_split) step attention_split 200 python3 scripts/gpu_attention_split.py --out "$out/attention_split" ;;
     attention_rows) step attention_rows 240 python3 scripts/gpu_attention_rows.py --out "$out/attention_rows" ;;
@@ -164,9 +178,13 @@ for s in "$@"; do
     sweep_split) step sweep_split 200 python3 -m jengine.cli bench --parts leaves --rows 1 64 4096 --iters 5 --leaf-shapes q/o_proj down_proj --tile-candidates 128,128,64,8,8,4,4:split 64,128,128,8,4,3,4:split 64,64,128,8,4,6,4:split 128,128,64,8,8,4,2 --part-timeout leaves=190 --out "$out/sweep_split" ;;
     bench_engine) step bench_engine 590 python3 -m jengine.cli bench --parts engine --part-timeout 285 --out "$out/bench_engine" ;;
     bench_engine_rl) step bench_engine_rl 300 python3 -m jengine.cli bench --parts engine --numerics rl-bitwise --part-timeout 285 --out "$out/bench_engine_rl" ;;
+    bench_e2e_auto) step bench_e2e_auto 420 python3 -m jengine.cli bench --parts engine server --numerics auto --loop-batch 0 --part-timeout 280 --out "$out/bench_e2e_auto" ;;
     bench_engine_nocmdbuf) XLA_FLAGS="--xla_gpu_enable_command_buffer=" step bench_engine_nocmdbuf 590 python3 -m jengine.cli bench --parts engine --part-timeout 285 --out "$out/bench_engine_nocmdbuf" ;;
     bench_server) step bench_server 590 python3 -m jengine.cli bench --parts server --part-timeout 285 --out "$out/bench_server" ;;
     bench_server_auto) step bench_server_auto 300 python3 -m jengine.cli bench --parts server --numerics auto --part-timeout 285 --out "$out/bench_server_auto" ;;
+    server_diag)
+      step server_nostream 200 python3 -m jengine.cli bench --parts server --numerics auto --server-stream off --part-timeout 190 --out "$out/server_nostream"
+      step server_si100us 200 python3 -m jengine.cli bench --parts server --numerics auto --server-switch-interval 0.0001 --part-timeout 190 --out "$out/server_si100us" ;;
     bench_hf) step bench_hf 200 python3 -m jengine.cli bench --parts hf --part-timeout 190 --out "$out/bench_hf" ;;
     router_topk) step router_topk 300 python3 scripts/gpu_router_topk.py --experts 8 128 --ks 1 2 4 8 32 64 --out "$out/router_topk" ;;
     router_topk_mid) step router_topk_mid 300 python3 scripts/gpu_router_topk.py --experts 64 160 --ks 6 12 16 33 50 --out "$out/router_topk_mid" ;;
@@ -181,6 +199,7 @@ for s in "$@"; do
     accept_*) step "$s" 420 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases "${s#accept_}" ;;
     acceptance) step acceptance 1500 python3 scripts/gpu_acceptance.py --out "$out/acceptance" ;;
     goldens_record) step goldens_record 560 python3 scripts/goldens.py record --sections tiny families production --device cuda --out "$out/h200.json" ;;
+    goldens_check_ffi) JENGINE_TRITON_CALL=ffi step goldens_check_ffi 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
     goldens_check) step goldens_check 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
     rl_loop_prod|rl_loop_only)
       step rl_checkpoint 90 python3 -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; from gpu_acceptance import CASES, build_model; arch, dims = CASES['llama']; build_model(Path('/tmp/rl_llama'), arch, dims, seed=3)"

@@ -167,6 +167,9 @@ def _check_engine(r):
                and row["host_phases"]["wait_ms"] > 0 for row in loops.values())
     assert loops["overlap"]["host_phases"]["commit_ms"] > 0  # only the overlap loop commits ahead
     assert loops["overlap_off"]["host_phases"]["commit_ms"] == 0
+    # the workload's loop phases summed over the run, set against the server's by the report
+    total = r["host_phases"]["total_s"]
+    assert total["wait"] > 0 and total["dispatch"] > 0 and sum(total.values()) <= r["wall_s"]
 
 
 def _check_server(r, md):
@@ -175,8 +178,17 @@ def _check_server(r, md):
     assert r["output_tok_s"] > 0 and r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] > 0
     # The untimed run compiled what the workload's steps need; the server counted its compiles.
     assert r["warm_run"]["output_tokens_total"] == 3 * 8 and r["warm_run"]["compiles_in_timing"] > 0
-    assert r["compiles_in_timing"] >= 0 and r["switch_interval_s"] == 0.0005
+    assert r["compiles_in_timing"] >= 0 and r["switch_interval_s"] == 0.0001
     assert "| `auto` | 3 x (32 + 8) |" in md and "x | " in md  # the ratio to the engine row
+    # Where the time went: the server's engine loop, its threads' CPU, the clients' CPU.
+    total = r["host_phases"]["total_s"]
+    assert r["host_phases"]["turns"] > 0 and total["wait"] > 0 and total["dispatch"] > 0
+    cpu = r["server_cpu_s"]
+    assert set(cpu) == {"event loop", "engine", "output", "other threads"}
+    assert cpu["engine"] > 0 and cpu["event loop"] > 0 and r["client_cpu_s"] > 0
+    assert sum(cpu.values()) < 2 * r["wall_s"] * os.cpu_count()  # seconds, not ticks
+    assert "| `auto` | server |" in md and "| `auto` | Engine |" in md
+    assert "| numerics | engine | event loop | other threads | output | clients |" in md
 
 
 def test_mla_shape_matches_the_dense_shape_in_active_parameters():

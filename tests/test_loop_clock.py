@@ -18,7 +18,9 @@ def test_laps_charge_their_phase_and_idle_turns_are_dropped():
     assert s["wait_ms"] >= 2.0
     # host_ms leaves the device wait out: what remains is far below the 2 ms slept
     assert 0 <= s["host_ms"] < s["wait_ms"]
-    assert set(s) == {f"{p}_ms" for p in PHASES} | {"host_ms", "turns"}
+    assert set(s) == {f"{p}_ms" for p in PHASES} | {"host_ms", "turns", "total_s"}
+    assert s["total_s"]["wait"] >= 0.004  # both kept turns slept 2 ms: summed, not a median
+    assert s["total_s"]["schedule"] == 0.0
 
 
 def test_a_clock_installed_mid_turn_waits_for_the_next_turn():

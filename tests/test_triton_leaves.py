@@ -235,6 +235,70 @@ def test_guarded_import_restores_the_cache_dir(fake_jax_triton, monkeypatch, pre
     assert os.environ.get("TRITON_CACHE_DIR") == previous
 
 
+def _lowered_custom_call(mode: str, target: str | None = None) -> str:
+    """The HLO custom-call line of a toy primitive lowered three ways on the CPU: as jax.ffi spells
+    a typed-FFI call to the Triton FFI target ("ref"), as jax-triton spells its legacy call
+    ("legacy"), and that legacy call restated by the launcher ("restated")."""
+    import zlib
+
+    import jax
+    import jax.numpy as jnp
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+
+    from pallas_kernels._triton_launch import FFI_TARGET, LEGACY_TARGET, restate_as_ffi
+
+    proto = zlib.compress(b"\x00a kernel proto\xff")
+    prim = Primitive(f"toy_triton_{mode}")
+    prim.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+
+    def lowering(ctx, x):
+        if mode == "ref":
+            return jax.ffi.ffi_lowering(target or FFI_TARGET,
+                                        operand_output_aliases={0: 0})(ctx, x, opaque=proto)
+        legacy = jax.ffi.ffi_lowering(LEGACY_TARGET, api_version=2, backend_config=proto,
+                                      operand_output_aliases={0: 0})(ctx, x)
+        return legacy if mode == "legacy" else restate_as_ffi(legacy[0].owner).results
+
+    mlir.register_lowering(prim, lowering, platform="cpu")
+    text = jax.jit(prim.bind).lower(jnp.ones((2, 3), jnp.bfloat16)).as_text(dialect="hlo")
+    [line] = [l for l in text.splitlines() if "custom-call(" in l]
+    return line.split("=", 1)[1]  # the instruction's name carries the primitive's: drop it
+
+
+def test_a_legacy_triton_call_is_restated_as_the_ffi_call():
+    # The launcher's restated call is exactly what jax.ffi emits for jaxlib's typed-FFI Triton
+    # target (the command-buffer-compatible one), proto and aliases included.
+    restated = _lowered_custom_call("restated")
+    assert restated == _lowered_custom_call("ref")
+    assert 'custom_call_target="triton_kernel_call_ffi"' in restated
+    assert "API_VERSION_TYPED_FFI" in restated
+    # Negative controls: jax-triton's own call, and an FFI call to another target, differ.
+    assert restated != _lowered_custom_call("legacy")
+    assert restated != _lowered_custom_call("ref", target="triton_kernel_call")
+
+
+@pytest.mark.parametrize("value, target", [(None, "triton_kernel_call"),
+                                           ("ffi", "triton_kernel_call_ffi"),
+                                           ("legacy", "triton_kernel_call")])
+def test_the_custom_call_target_follows_the_switch(monkeypatch, value, target):
+    from pallas_kernels._triton_launch import custom_call_target
+
+    if value is None:
+        monkeypatch.delenv("JENGINE_TRITON_CALL", raising=False)
+    else:
+        monkeypatch.setenv("JENGINE_TRITON_CALL", value)
+    assert custom_call_target() == target
+
+
+def test_a_bad_custom_call_switch_names_the_variable(monkeypatch):
+    from pallas_kernels._triton_launch import custom_call_target
+
+    monkeypatch.setenv("JENGINE_TRITON_CALL", "graph")
+    with pytest.raises(ValueError, match="JENGINE_TRITON_CALL='graph'"):
+        custom_call_target()
+
+
 def test_bench_bytes_match_the_published_llama3_8b_size():
     from jengine.bench.measures import decode_bytes
 

@@ -83,6 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--server-clients", type=int, default=256,
                    help="server: concurrent /generate clients, one request each (the engine "
                         "part's workload: --e2e-input / --e2e-output tokens)")
+    p.add_argument("--server-stream", choices=("on", "off"), default="on",
+                   help="server: off = the clients ask for whole responses, not streams (a "
+                        "diagnosis: what streaming's per-token events cost the server; no TTFT / "
+                        "ITL then)")
     p.add_argument("--server-switch-interval", type=float, default=ENGINE_SWITCH_INTERVAL_S,
                    help="server: the server process's GIL switch interval in seconds (`jengine "
                         "serve` sets %(default)s; 0.005 is CPython's default)")
@@ -111,8 +115,9 @@ def add_parser(subparsers):
 
 # Options a child needs, forwarded as given (--numerics is forwarded one value per child).
 CHILD_OPTIONS = ("batch_sizes", "context", "long_context", "long_context_batch", "prefill_tokens",
-                 "rows", "iters", "tile_candidates", "leaf_shapes", "e2e_requests", "e2e_input", "e2e_output",
-                 "loop_batch", "server_clients", "server_switch_interval", "hf_batch", "hf_new_tokens", "shape")
+                 "rows", "iters", "tile_candidates", "leaf_shapes", "e2e_requests", "e2e_input",
+                 "e2e_output", "loop_batch", "server_clients", "server_stream",
+                 "server_switch_interval", "hf_batch", "hf_new_tokens", "shape")
 
 
 def _child_argv(args) -> list[str]:

@@ -147,6 +147,9 @@ def _server_section(servers: dict, engines: dict) -> list[str]:
     if not servers:
         return []
     lines = ["## Server (streaming `/generate` clients, one request each, on 127.0.0.1)", ""]
+    if any(r.get("stream") is False for r in servers.values()):
+        lines += ["**Unstreamed** (`--server-stream off`): the clients asked for whole responses; "
+                  "no token latency is measured.", ""]
     for name, r in servers.items():
         lines += _stopped(f"server --numerics {name}", r)
     done = {n: r for n, r in servers.items() if r.get("wall_s")}
@@ -164,6 +167,46 @@ def _server_section(servers: dict, engines: dict) -> list[str]:
                          f"{ratio} | {r.get('compiles_in_timing', '-')} programs, "
                          f"{fmt(r.get('compile_s_in_timing'), '.1f')} s | "
                          f"{_latency(r, 'ttft')} | {_latency(r, 'itl')} |")
+        lines.append("")
+        lines += _server_time_split(done, engines)
+    return lines
+
+
+_LOOP_PHASES = ("schedule", "dispatch", "commit", "wait", "process", "emit", "other")
+
+
+def _server_time_split(servers: dict, engines: dict) -> list[str]:
+    """Where a timed run's time went: the engine loop's phases summed over the run (server and
+    in-process Engine, same workload), the server process's CPU per thread, the clients' CPU."""
+    rows = []
+    for n, r in servers.items():
+        engine = (engines.get(n) or {}).get("host_phases") or {}
+        for label, wall, phases in (("server", r.get("wall_s"), r.get("host_phases") or {}),
+                                    ("Engine", (engines.get(n) or {}).get("wall_s"), engine)):
+            total = phases.get("total_s")
+            if not total:
+                continue
+            rows.append(f"| `{n}` | {label} | {fmt(wall, '.2f')} | {phases.get('turns')} | "
+                        + " | ".join(fmt(total.get(p), ".2f") for p in _LOOP_PHASES) + " |")
+    lines = []
+    if rows:
+        lines += ["Where the run's time went, engine loop (seconds summed over the run's turns; "
+                  "`wait` is the device's, the rest the engine thread's; "
+                  "jengine/engine/loop_clock.py):", "",
+                  "| numerics | loop | wall s | turns | " + " | ".join(_LOOP_PHASES) + " |",
+                  "|---|---|---|---|" + "---|" * len(_LOOP_PHASES)]
+        lines += rows + [""]
+    cpu = {n: r for n, r in servers.items() if r.get("server_cpu_s")}
+    if cpu:
+        names = sorted({k for r in cpu.values() for k in r["server_cpu_s"]})
+        lines += ["CPU seconds during the timed run: the server process per thread (/proc), and "
+                  "the bench's clients (one process, one event loop):", "",
+                  "| numerics | " + " | ".join(names) + " | clients |",
+                  "|---|" + "---|" * (len(names) + 1)]
+        for n, r in cpu.items():
+            lines.append(f"| `{n}` | " + " | ".join(fmt(r["server_cpu_s"].get(k), ".2f")
+                                                     for k in names)
+                         + f" | {fmt(r.get('client_cpu_s'), '.2f')} |")
         lines.append("")
     return lines
 

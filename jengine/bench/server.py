@@ -24,6 +24,7 @@ from jengine.server.gil import ENGINE_SWITCH_INTERVAL_S
 
 STARTUP_S = 420  # model build and warm-up of the server process, inside the default part timeout
 COMPILES_ROUTE = "/bench/compiles"
+PHASES_ROUTE = "/bench/phases"  # the engine loop's phase clock: POST restarts it, GET reads it
 
 
 def _free_port() -> int:
@@ -50,18 +51,37 @@ def _serve(args) -> None:
     engine = _make_engine(runner, sampler, plan, loaded)
     app = create_app(engine)
 
-    @app.get(COMPILES_ROUTE)  # the bench's own route, not part of the served API
+    @app.get(COMPILES_ROUTE)  # the bench's own routes, not part of the served API
     async def compiles():
         return JSONResponse({"count": clock.count, "seconds": clock.seconds})
+
+    @app.post(PHASES_ROUTE)
+    async def restart_phases():
+        engine.time_host_phases()
+        return JSONResponse({"ok": True})
+
+    @app.get(PHASES_ROUTE)
+    async def phases():
+        # Which OS thread is which, so the bench can name the server's per-thread CPU time.
+        threads = {"event loop": os.getpid(), "engine": engine._thread.native_id,
+                   "output": engine.output_processor._thread.native_id}
+        return JSONResponse({"phases": engine.host_phases(), "threads": threads})
 
     favour_engine_thread(args.switch_interval)  # as `jengine serve` does
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 
 
-async def _client(http, url: str, ids: list[int], sampling: dict) -> tuple[float, list, int]:
-    """One streamed request: (submit time, [(arrival, tokens so far)], tokens at the end)."""
+async def _client(http, url: str, ids: list[int], sampling: dict,
+                  stream: bool) -> tuple[float, list, int]:
+    """One request: (submit time, [(arrival, tokens so far)], tokens at the end). Unstreamed, the
+    one event is the whole response."""
     events, t0 = [], time.perf_counter()
-    body = {"input_ids": ids, "sampling_params": sampling, "stream": True}
+    body = {"input_ids": ids, "sampling_params": sampling, "stream": stream}
+    if not stream:
+        resp = await http.post(url + "/generate", json=body)
+        resp.raise_for_status()
+        n = len(resp.json()["output_ids"])
+        return t0, [(time.perf_counter(), n)], n
     async with http.stream("POST", url + "/generate", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
@@ -72,13 +92,14 @@ async def _client(http, url: str, ids: list[int], sampling: dict) -> tuple[float
     return t0, events, events[-1][1] if events else 0
 
 
-async def _clients(url: str, prompts, sampling: dict) -> tuple[float, list]:
+async def _clients(url: str, prompts, sampling: dict, stream: bool) -> tuple[float, list]:
     import httpx
 
     limits = httpx.Limits(max_connections=len(prompts) + 8)
     async with httpx.AsyncClient(timeout=None, limits=limits) as http:
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(_client(http, url, ids, sampling) for ids in prompts))
+        results = await asyncio.gather(*(_client(http, url, ids, sampling, stream)
+                                         for ids in prompts))
         return time.perf_counter() - t0, results
 
 
@@ -120,7 +141,8 @@ def part_server(args) -> dict:
             "--switch-interval", str(args.server_switch_interval)]
     out = {"numerics": args.numerics, "shape": args.shape, "clients": args.server_clients,
            "input_tokens": args.e2e_input, "output_tokens": args.e2e_output,
-           "switch_interval_s": args.server_switch_interval, "uvicorn": _uvicorn_flavour()}
+           "switch_interval_s": args.server_switch_interval, "uvicorn": _uvicorn_flavour(),
+           "stream": args.server_stream == "on"}
     t0 = time.time()
     proc = subprocess.Popen(argv, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -132,35 +154,76 @@ def part_server(args) -> dict:
         prompts = rng.integers(0, 32000, (args.server_clients, args.e2e_input)).tolist()
         print(f"[{args.numerics}] server workload once untimed (compiles what its steps "
               "need) ...", flush=True)
-        out["warm_run"] = _timed_run(url, prompts, sampling)[0]
+        stream = args.server_stream == "on"
+        out["warm_run"] = _timed_run(url, prompts, sampling, proc.pid, stream)[0]
         _checkpoint(args, out)
         print(f"[{args.numerics}] server workload, timed ...", flush=True)
-        timed, results = _timed_run(url, prompts, sampling)
+        timed, results = _timed_run(url, prompts, sampling, proc.pid, stream)
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-    out.update(timed, **latency_stats([t for t, _, _ in results], [e for _, e, _ in results]))
+    out.update(timed)
+    if out["stream"]:  # a whole response's one event is no token's latency
+        out.update(latency_stats([t for t, _, _ in results], [e for _, e, _ in results]))
     return out
 
 
-def _timed_run(url: str, prompts, sampling: dict) -> tuple[dict, list]:
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) each thread of process `pid` has used so far, by thread id,
+    from /proc (Linux); {} where there is no /proc."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return out
+
+
+def cpu_by_thread(before: dict, after: dict, names: dict[str, int]) -> dict[str, float]:
+    """CPU seconds per named thread between two `thread_cpu_s` readings; the rest summed."""
+    used = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
+    out = {name: used.pop(tid, 0.0) for name, tid in names.items()}
+    out["other threads"] = sum(used.values())
+    return out
+
+
+def _timed_run(url: str, prompts, sampling: dict, pid: int,
+               stream: bool = True) -> tuple[dict, list]:
     """One run of the workload from an empty prefix cache: wall time, throughput and what the
-    server compiled meanwhile; and each client's (submit time, events, tokens)."""
+    server compiled meanwhile; where the time went (the server's CPU per thread, the clients'
+    CPU, the engine loop's phases summed over the run); and each client's (submit time, events,
+    tokens)."""
     import httpx
 
     httpx.post(url + "/flush_cache", timeout=60).raise_for_status()
     before = httpx.get(url + COMPILES_ROUTE, timeout=60).json()
-    wall, results = asyncio.run(_clients(url, prompts, sampling))
+    httpx.post(url + PHASES_ROUTE, timeout=60).raise_for_status()
+    cpu0, client0 = thread_cpu_s(pid), time.process_time()
+    wall, results = asyncio.run(_clients(url, prompts, sampling, stream))
+    client_cpu, cpu1 = time.process_time() - client0, thread_cpu_s(pid)
     after = httpx.get(url + COMPILES_ROUTE, timeout=60).json()
+    phases = httpx.get(url + PHASES_ROUTE, timeout=60).json()
     produced = sum(n for _, _, n in results)
     run = {"wall_s": wall, "output_tokens_total": produced, "output_tok_s": produced / wall,
            "req_s": len(results) / wall, "compiles_in_timing": after["count"] - before["count"],
-           "compile_s_in_timing": after["seconds"] - before["seconds"]}
+           "compile_s_in_timing": after["seconds"] - before["seconds"],
+           "server_cpu_s": cpu_by_thread(cpu0, cpu1, phases["threads"]),
+           "client_cpu_s": client_cpu, "host_phases": phases["phases"]}
     print(f"  server {len(prompts)} clients: {wall:.2f} s, {run['output_tok_s']:.0f} output "
-          f"tok/s, {run['compiles_in_timing']} programs compiled inside", flush=True)
+          f"tok/s, {run['compiles_in_timing']} programs compiled inside; CPU s: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in run["server_cpu_s"].items())
+          + f", clients {client_cpu:.2f}", flush=True)
     return run, results
 
 

@@ -61,13 +61,16 @@ class LoopClock:
 
     def summary(self) -> dict:
         """Median ms per phase over the kept turns, `host_ms` (the median of every phase but
-        `wait`, summed per turn) and `turns`. Medians: steady decoding, not the prefill turns."""
+        `wait`, summed per turn) and `turns`. Medians: steady decoding, not the prefill turns.
+        `total_s`: each phase summed over every kept turn (a whole workload's split, prefill
+        turns included: what the server's run is set against the in-process Engine's by)."""
         if not self._turns:
             return {"turns": 0}
         ms = np.asarray(self._turns) * 1e3
         out = {f"{p}_ms": float(np.median(ms[:, i])) for i, p in enumerate(PHASES)}
         host = np.delete(ms, PHASES.index("wait"), axis=1).sum(axis=1)
-        out.update(host_ms=float(np.median(host)), turns=len(self._turns))
+        out.update(host_ms=float(np.median(host)), turns=len(self._turns),
+                   total_s={p: float(ms[:, i].sum() / 1e3) for i, p in enumerate(PHASES)})
         return out
 
 
