@@ -20,7 +20,7 @@ from jengine.engine.request import InvalidRequest, SamplingParams, derive_sample
 from jengine.server.app import create_app
 from jengine.server.async_engine import LoopWakeups, RequestStream
 from jengine.server.gil import favour_engine_thread
-from jengine.server.http_utils import dumps_bytes, jsonable
+from jengine.server.http_utils import CumulativeEvents, dumps_bytes, jsonable, sse_event
 from jengine.server.metrics import _after_overlap
 from jengine.server.testing import check_cumulative_stream
 
@@ -489,6 +489,48 @@ def test_dumps_writes_the_bytes_the_jsonable_walk_wrote():
     assert dumps_bytes({np.int64(1): 2}) == b'{"1":2}'  # a key json refuses takes the walk
     assert dumps_bytes({"s": "\ud800"}) == b'{"s":"\\ud800"}'  # a lone surrogate: escaped
     assert dumps_bytes([np.float32(0.1)]) != dumps_bytes([0.1])  # the float32 value, not 0.1
+
+
+def test_cumulative_events_are_sse_event_byte_for_byte():
+    """/generate's stream encodes each token id once (CumulativeEvents); every event must still be
+    the bytes `sse_event` writes for that output, whatever the outputs do between events."""
+    import numpy as np
+
+    def out(ids, text=None, **extra):
+        return {"text": "".join(f" t{i}" for i in ids) if text is None else text,
+                "output_ids": list(ids), "finished": False,
+                "meta_info": {"id": "r", "completion_tokens": len(ids),
+                              "output_token_logprobs": [(np.float32(-0.25), i, None) for i in ids]},
+                **extra}
+
+    ids = [5, 7, 9, 11, 13, 17, 19, 23]
+    outs = [out(ids[:n]) for n in (1, 2, 3, 6)]  # growing by one, and by several (a late reader)
+    outs += [out(ids[:6], text='he said "output_ids":[] \u2028 é')]  # text only changes
+    outs += [out([5, 8, 9, 11, 13, 17])]  # ids rewritten, not extended: must start over
+    outs += [out([5, 8, 9, 11, 13, 17, np.int64(29)], index=3)]  # a batch's index; a numpy id
+    outs += [out([5, 8], text="lone \ud800 surrogate")]  # shorter; UTF-8 cannot encode it
+    outs += [{"output_ids": [1], "text": "keys in another order"}, out([1, 2]), out([1, 2, 3])]
+    outs += [{**out([1, 2, 3, 4]), "finished": True}]
+    events = CumulativeEvents()
+    for o in outs:
+        assert events.event(o) == sse_event(o), o
+    assert json.loads(events.event(out([1, 2, 3, 4, 5]))[len(b"data: "):])["output_ids"] == [1, 2, 3, 4, 5]
+    # Negative control: the state it keeps matters; an encoder that missed the rewrite above
+    # would have sent the old ids.
+    stale = CumulativeEvents()
+    stale.event(out([5, 7, 9]))
+    stale._ids = [5, 8, 9]  # pretend the previous output had been [5, 8, 9]
+    assert stale.event(out([5, 8, 9, 11])) != sse_event(out([5, 8, 9, 11]))
+
+
+def test_a_caller_extending_its_ids_list_in_place_still_gets_the_right_events():
+    ids = [1, 2]
+    events = CumulativeEvents()
+    first = {"text": "ab", "output_ids": ids}
+    assert events.event(first) == sse_event(first)
+    ids.append(3)
+    second = {"text": "abc", "output_ids": ids}
+    assert events.event(second) == sse_event(second) == b'data: {"text":"abc","output_ids":[1,2,3]}\n\n'
 
 
 def test_favour_engine_thread_sets_the_interval_and_refuses_nonsense():

@@ -26,7 +26,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from jengine.server.admission import AdmissionLimits, WorkQueue
@@ -36,34 +35,46 @@ from jengine.server.errors import RequestError
 logger = logging.getLogger(__name__)
 
 
-@dataclass
 class Update:
     """One engine output as the routes use it: the request's output so far (`out`, SGLang shape,
-    cumulative) and what this output added (`new_*`)."""
+    cumulative) and what it added since the output before (`prev`). The deltas are computed when a
+    route asks for them (OpenAI's streams do; /generate's cumulative stream does not), since this
+    runs on the event loop once per streamed token per request."""
 
-    out: dict
-    new_text: str
-    new_ids: list[int]
-    new_logprobs: list  # (logprob, token_id, None) per new token; [] without return_logprob
-    new_top_logprobs: list  # per new token, its top-k triples; [] without top_logprobs_num
+    __slots__ = ("out", "prev")
+
+    def __init__(self, out: dict, prev: dict | None):
+        self.out = out
+        self.prev = prev
 
     @property
     def finished(self) -> bool:
         return bool(self.out.get("finished"))
 
+    @property
+    def new_text(self) -> str:
+        return self.out.get("text", "")[len(self.prev["text"]) if self.prev else 0:]
 
-_OUTPUT_LISTS = ("output_token_logprobs", "output_top_logprobs")
+    @property
+    def new_ids(self) -> list[int]:
+        return list(self.out.get("output_ids", ())[self._done_ids:])
 
+    @property
+    def new_logprobs(self) -> list:
+        """(logprob, token_id, None) per new token; [] without return_logprob."""
+        return self._new("output_token_logprobs")
 
-def _advance(prev: dict | None, out: dict) -> Update:
-    """Cumulative view and delta from the engine's output (cumulative like SGLang's default
-    stream: each output carries the whole text, output_ids and output logprobs so far)."""
-    done_ids = len(prev["output_ids"]) if prev else 0
-    done_text = len(prev["text"]) if prev else 0
-    meta = out.get("meta_info", {})
-    new_lists = [list((meta.get(k) or ())[done_ids:]) for k in _OUTPUT_LISTS]
-    return Update(out, out.get("text", "")[done_text:], list(out.get("output_ids", ())[done_ids:]),
-                  *new_lists)
+    @property
+    def new_top_logprobs(self) -> list:
+        """Per new token, its top-k triples; [] without top_logprobs_num."""
+        return self._new("output_top_logprobs")
+
+    @property
+    def _done_ids(self) -> int:
+        return len(self.prev["output_ids"]) if self.prev else 0
+
+    def _new(self, key: str) -> list:
+        return list((self.out.get("meta_info", {}).get(key) or ())[self._done_ids:])
 
 
 class LoopWakeups:
@@ -123,24 +134,22 @@ class RequestStream:
             self._wake_pending = False  # an output offered from here on schedules another wake
         self._ready.set()
 
-    async def _next(self) -> dict:
-        while True:
-            await self._ready.wait()
-            self._ready.clear()
-            with self._lock:
-                out, self._newest = self._newest, None
-            if out is not None:  # None: a wake whose output an earlier wake already handed over
-                return out
-
     async def updates(self) -> AsyncIterator[Update]:
         """Yield every output until the final one. If the consumer stops early (client gone,
         task cancelled), the request is aborted so its KV pages are freed."""
+        ready, lock = self._ready, self._lock
         try:
             while not self.finished:
-                update = _advance(self.last, await self._next())
+                await ready.wait()
+                ready.clear()
+                with lock:
+                    out, self._newest = self._newest, None
+                if out is None:  # a wake whose output an earlier wake already handed over
+                    continue
+                update = Update(out, self.last)
                 self.owner._observe(self, update)
                 self.finished = update.finished
-                self.last = update.out
+                self.last = out
                 yield update
         finally:
             if not self.finished:
@@ -276,7 +285,8 @@ class AsyncEngine:
     def _observe(self, handle: RequestStream, update: Update) -> None:
         if self.metrics is None:
             return
-        if handle.last is None and update.new_ids and not update.finished:
+        # The first output with a token (`handle.last` is None: every id in it is new).
+        if handle.last is None and update.out.get("output_ids") and not update.finished:
             self.metrics.ttft.observe(time.monotonic() - handle.arrival)
         if update.finished:
             self.metrics.e2e_latency.observe(time.monotonic() - handle.arrival)
