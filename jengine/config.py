@@ -103,6 +103,10 @@ class LaunchConfig:
     disable_overlap_schedule: bool = _opt(False, "resolve each step before scheduling the next "
                                           "(the overlap schedule builds step N+1 while step N "
                                           "runs; docs/engine.md)", flag=True)
+    output_hold_ms: float = _opt(5.0, "how long the output processor may hold a step's outputs "
+                                 "while the engine thread schedules and dispatches (host work "
+                                 "the device waits on), to deliver them while it waits instead; "
+                                 "0: at once (jengine/engine/host_gate.py)")
 
     # -- server ----------------------------------------------------------------------------------
     host: str = _opt("127.0.0.1", "bind address (loopback by default)")
@@ -138,6 +142,9 @@ def validate_choices(cfg: LaunchConfig, extra_numerics: tuple[str, ...] = ()) ->
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"--{name.replace('_', '-')}={value!r} must be an integer >= 0")
+    hold = cfg.output_hold_ms
+    if isinstance(hold, bool) or not isinstance(hold, (int, float)) or not 0 <= hold <= 1000:
+        raise ValueError(f"--output-hold-ms={hold!r} must be a number of milliseconds in [0, 1000]")
     if cfg.max_total_tokens is not None and cfg.max_total_tokens < cfg.page_size:
         raise ValueError(f"--max-total-tokens={cfg.max_total_tokens} is smaller than one page "
                          f"(--page-size={cfg.page_size})")
@@ -181,6 +188,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "str")
         if "int" in typ:
             kw["type"] = int
+        elif "float" in typ:
+            kw["type"] = float
         parser.add_argument(flag, **kw)
     parser.add_argument("--model", dest="model_path", default=argparse.SUPPRESS,
                         help="alias of --model-path")

@@ -112,6 +112,7 @@ class LaunchPlan:
     server: ServerOptions
     input_logprob_chunk_tokens: int
     overlap_schedule: bool = True  # schedule step N+1 while step N runs (docs/engine.md)
+    output_hold_s: float = 0.005  # jengine/engine/host_gate.py
 
     @property
     def model(self) -> ModelOptions:
@@ -250,4 +251,5 @@ def plan_launch(resolved: ResolvedLaunch, model_config: Any) -> LaunchPlan:
                              served_model_name=launch.served_model_name,
                              log_level=launch.log_level),
         input_logprob_chunk_tokens=launch.input_logprob_chunk_tokens,
-        overlap_schedule=not launch.disable_overlap_schedule)
+        overlap_schedule=not launch.disable_overlap_schedule,
+        output_hold_s=float(launch.output_hold_ms) / 1e3)

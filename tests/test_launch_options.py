@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
+import types
 
 import pytest
 from starlette.testclient import TestClient
@@ -111,6 +113,29 @@ def _serve_argv(value, name, tiny):
     return cfg.host, cfg.port
 
 
+def _outputs_held(value, name, tiny):
+    """Whether a step's outputs are still held 0.3 s after they arrive while the engine thread is
+    busy (its host gate closed): the launch plan's hold as the engine's output processor gets it."""
+    from jengine.engine.host_gate import HostGate
+    from jengine.engine.output_processor import OutputProcessor, RequestState, StepOutput
+    from jengine.engine.request import SamplingParams
+
+    plan = plan_launch(_resolved("cpu", **{name: value}), tiny.config)
+    gate, delivered = HostGate(), []
+    gate.close()
+    proc = OutputProcessor(lambda rid: None, lambda state: None, gate=gate, hold_s=plan.output_hold_s)
+    proc.add_request(RequestState(
+        rid="r", prompt_ids=[1], sampling=SamplingParams(), return_logprob=False,
+        logprob_start_len=-1, top_logprobs_num=0, return_routed_experts=False, stream=True,
+        detokenizer=types.SimpleNamespace(add=str, flush=str), on_output=delivered.append))
+    proc.put([StepOutput("r", new_token_ids=[7])])
+    time.sleep(0.3)
+    held = not delivered
+    gate.open()
+    proc.shutdown()
+    return held
+
+
 def _engine_logger(value, name, tiny):
     from jengine.engine.engine import Engine
 
@@ -184,6 +209,7 @@ PROBES = {
     "debug_force_retraction_interval": (3, _scheduler),
     "skip_warmup": (True, _warmup_runs),
     "disable_overlap_schedule": (True, _placeholder_steps),
+    "output_hold_ms": (1000.0, _outputs_held),
     "host": ("0.0.0.0", _serve_argv),
     "port": (8080, _serve_argv),
     "api_key": ("sekret", _server_app),

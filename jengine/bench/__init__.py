@@ -47,6 +47,7 @@ from jengine.bench.device import part_leaves, part_roofline
 from jengine.bench.e2e import part_engine, part_hf
 from jengine.bench.model import part_model
 from jengine.bench.server import part_server
+from jengine.config import LaunchConfig
 from jengine.server.gil import ENGINE_SWITCH_INTERVAL_S
 
 PARTS = {"roofline": part_roofline, "leaves": part_leaves, "model": part_model,
@@ -90,6 +91,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--server-switch-interval", type=float, default=ENGINE_SWITCH_INTERVAL_S,
                    help="server: the server process's GIL switch interval in seconds (`jengine "
                         "serve` sets %(default)s; 0.005 is CPython's default)")
+    p.add_argument("--output-hold-ms", type=float, default=LaunchConfig.output_hold_ms,
+                   help="engine, server: the launch's --output-hold-ms (how long the output "
+                        "processor may wait for the engine thread to reach its device wait; 0 = "
+                        "deliver at once; jengine/engine/host_gate.py)")
     p.add_argument("--hf-batch", type=int, default=64, help="hf: generate batch")
     p.add_argument("--hf-new-tokens", type=int, default=64, help="hf: tokens generated per row")
     p.add_argument("--part-timeout", nargs="+", default=["540"], metavar="[PART=]SECONDS",
@@ -117,7 +122,7 @@ def add_parser(subparsers):
 CHILD_OPTIONS = ("batch_sizes", "context", "long_context", "long_context_batch", "prefill_tokens",
                  "rows", "iters", "tile_candidates", "leaf_shapes", "e2e_requests", "e2e_input",
                  "e2e_output", "loop_batch", "server_clients", "server_stream",
-                 "server_switch_interval", "hf_batch", "hf_new_tokens", "shape")
+                 "server_switch_interval", "output_hold_ms", "hf_batch", "hf_new_tokens", "shape")
 
 
 def _child_argv(args) -> list[str]:

@@ -38,7 +38,8 @@ def _e2e_launch(args):
     return LaunchConfig(numerics=args.numerics, max_running_requests=E2E_MAX_RUNNING,
                         max_prefill_tokens=E2E_PREFILL_BUDGET, chunked_prefill_size=E2E_PREFILL_BUDGET,
                         context_length=per_request + ps,
-                        max_total_tokens=_pool_tokens([(running, per_request)], ps), skip_warmup=True)
+                        max_total_tokens=_pool_tokens([(running, per_request)], ps), skip_warmup=True,
+                        output_hold_ms=args.output_hold_ms)
 
 
 def _warm_step_programs(runner, sampler, args) -> float:
@@ -250,7 +251,8 @@ def _engine_run(runner, sampler, plan, loaded, args) -> dict:
         engine.shutdown()
     produced = sum(o["meta_info"]["completion_tokens"] for o in outs)
     out = dict(
-        overlap_schedule=plan.overlap_schedule, wall_s=wall, output_tokens_total=produced,
+        overlap_schedule=plan.overlap_schedule, output_hold_s=plan.output_hold_s, wall_s=wall,
+        output_tokens_total=produced,
         finish_reasons=dict(collections.Counter(o["meta_info"]["finish_reason"]["type"]
                                                 for o in outs)),
         output_tok_s=produced / wall, total_tok_s=(produced + args.e2e_input * len(outs)) / wall,

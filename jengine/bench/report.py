@@ -186,15 +186,21 @@ def _server_time_split(servers: dict, engines: dict) -> list[str]:
             total = phases.get("total_s")
             if not total:
                 continue
+            held = (f"{fmt(phases.get('output_held_s'), '.2f')} ({phases.get('output_holds', '-')}"
+                    f" / {phases.get('output_hold_timeouts', '-')})")
             rows.append(f"| `{n}` | {label} | {fmt(wall, '.2f')} | {phases.get('turns')} | "
-                        + " | ".join(fmt(total.get(p), ".2f") for p in _LOOP_PHASES) + " |")
+                        + " | ".join(fmt(total.get(p), ".2f") for p in _LOOP_PHASES)
+                        + f" | {held} |")
     lines = []
     if rows:
         lines += ["Where the run's time went, engine loop (seconds summed over the run's turns; "
                   "`wait` is the device's, the rest the engine thread's; "
-                  "jengine/engine/loop_clock.py):", "",
-                  "| numerics | loop | wall s | turns | " + " | ".join(_LOOP_PHASES) + " |",
-                  "|---|---|---|---|" + "---|" * len(_LOOP_PHASES)]
+                  "jengine/engine/loop_clock.py; outputs held: seconds the output processor "
+                  "waited for the engine thread to reach its wait (holds / gave up after "
+                  "--output-hold-ms), jengine/engine/host_gate.py):", "",
+                  "| numerics | loop | wall s | turns | " + " | ".join(_LOOP_PHASES)
+                  + " | outputs held s (holds / timeouts) |",
+                  "|---|---|---|---|" + "---|" * (len(_LOOP_PHASES) + 1)]
         lines += rows + [""]
     cpu = {n: r for n, r in servers.items() if r.get("server_cpu_s")}
     if cpu:

@@ -20,6 +20,7 @@ import sys
 import time
 
 from jengine.bench.common import _checkpoint
+from jengine.config import LaunchConfig
 from jengine.server.gil import ENGINE_SWITCH_INTERVAL_S
 
 STARTUP_S = 420  # model build and warm-up of the server process, inside the default part timeout
@@ -138,10 +139,12 @@ def part_server(args) -> dict:
             "--numerics", args.numerics, "--shape", args.shape,
             "--e2e-requests", str(args.server_clients), "--e2e-input", str(args.e2e_input),
             "--e2e-output", str(args.e2e_output),
-            "--switch-interval", str(args.server_switch_interval)]
+            "--switch-interval", str(args.server_switch_interval),
+            "--output-hold-ms", str(args.output_hold_ms)]
     out = {"numerics": args.numerics, "shape": args.shape, "clients": args.server_clients,
            "input_tokens": args.e2e_input, "output_tokens": args.e2e_output,
            "switch_interval_s": args.server_switch_interval, "uvicorn": _uvicorn_flavour(),
+           "output_hold_ms": args.output_hold_ms,
            "stream": args.server_stream == "on"}
     t0 = time.time()
     proc = subprocess.Popen(argv, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -237,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--e2e-input", type=int, default=1024)
     p.add_argument("--e2e-output", type=int, default=256)
     p.add_argument("--switch-interval", type=float, default=ENGINE_SWITCH_INTERVAL_S)
+    p.add_argument("--output-hold-ms", type=float, default=LaunchConfig.output_hold_ms)
     _serve(p.parse_args(argv))
     return 0
 

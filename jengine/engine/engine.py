@@ -38,6 +38,7 @@ from jengine.engine.io_struct import (RequestHandle, RequestLimits, normalize_ge
                                       validate_request)
 from jengine.engine.kv_manager import KVManager
 from jengine.engine.engine_loop import EngineLoop
+from jengine.engine.host_gate import HostGate
 from jengine.engine.step_executor import InFlightStep
 from jengine.engine.output_processor import OutputProcessor, RequestState, StepOutput
 from jengine.engine.request import InvalidRequest, Req
@@ -140,7 +141,9 @@ class Engine(EngineLoop):
         # --overlap-schedule: the dispatched step whose results the loop has not read yet
         self._overlap = plan.overlap_schedule
         self._in_flight: InFlightStep | None = None
-        self.output_processor = OutputProcessor(self._finish_from_processor, self._on_request_finished)
+        self.host_gate = HostGate()  # open while this engine's thread waits (host_gate.py)
+        self.output_processor = OutputProcessor(self._finish_from_processor, self._on_request_finished,
+                                                gate=self.host_gate, hold_s=plan.output_hold_s)
         self._thread = threading.Thread(target=self._loop, name="jengine-engine", daemon=True)
         self._thread.start()
 

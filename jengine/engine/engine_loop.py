@@ -40,13 +40,16 @@ class EngineLoop(RLControl):
             with self._cv:
                 while not (self._inbox or self._stopping or self._can_step()
                            or self._in_flight is not None):
+                    self.host_gate.open()  # idle: nothing of this thread's to get out of the way of
                     self._cv.wait()
+                self.host_gate.close()
                 stopping = self._stopping
                 inbox, self._inbox = ([], self._inbox) if stopping else (self._inbox, [])
             clock = self._clock
             clock.start()
             if stopping:
                 self._drain()  # its sealed requests finish; shutdown fails the rest
+                self.host_gate.open()
                 with self._cv:
                     for op, payload in self._inbox:  # release anyone blocked in _call
                         if op not in ("add", "finish"):  # the ones a caller waits on
@@ -79,11 +82,17 @@ class EngineLoop(RLControl):
     def time_host_phases(self) -> None:
         """Time each phase of the loop from the next turn on (jengine/engine/loop_clock.py);
         `host_phases()` reports them."""
+        self._gate_since = self.host_gate.stats()
         self._clock = LoopClock()
 
     def host_phases(self) -> dict:
-        """Median host ms per loop phase since `time_host_phases()` ({} if never called)."""
-        return self._clock.summary() if isinstance(self._clock, LoopClock) else {}
+        """Median host ms per loop phase since `time_host_phases()` ({} if never called), and
+        what the output processor waited at the host gate meanwhile."""
+        if not isinstance(self._clock, LoopClock):
+            return {}
+        since = self._gate_since
+        now = self.host_gate.stats()
+        return {**self._clock.summary(), **{k: v - since.get(k, 0) for k, v in now.items()}}
 
     def _can_step(self) -> bool:
         return self.scheduler.has_work() and not self._steps_blocked()
@@ -216,6 +225,7 @@ class EngineLoop(RLControl):
     def _resolve(self, flight: InFlightStep) -> None:
         """Wait for a dispatched step's results; tokens, stop checks and events, in segment order."""
         step = flight.step
+        self.host_gate.open()  # the device's time: the output processor may run (host_gate.py)
         try:
             results = flight.resolve()
         except Exception as exc:
@@ -224,6 +234,7 @@ class EngineLoop(RLControl):
                 self._fail(seg.req, f"step failed: {exc!r}")
             return
         finally:
+            self.host_gate.close()
             self._clock.lap("wait")
         generated = 0
         for seg in step.segments:

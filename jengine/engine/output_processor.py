@@ -10,6 +10,10 @@ request and in event order:
 - the tokens are detokenized incrementally and checked against the stop strings;
 - streamed (cumulative) and final output dicts are built and the `on_output` callbacks run.
 
+A step's events wait while the engine thread is busy scheduling and dispatching (its host gate is
+closed), for at most --output-hold-ms, so this thread and the stream events its callbacks wake take
+the GIL while the engine thread waits for the device instead (host_gate.py).
+
 A stop-string match is found here, possibly a few steps after the engine sampled the completing
 token. The processor then truncates the request's output at that token (exactly what a
 synchronous check would have returned), asks the engine to finish the request (free its pages,
@@ -27,6 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from jengine.engine.host_gate import HostGate
 from jengine.engine.io_struct import RequestHandle, build_output
 from jengine.engine.request import Req, SamplingParams
 
@@ -189,9 +194,12 @@ class OutputProcessor:
     """
 
     def __init__(self, finish_request: Callable[[str], None],
-                 on_finished: Callable[[RequestState], None]) -> None:
+                 on_finished: Callable[[RequestState], None], gate: HostGate | None = None,
+                 hold_s: float = 0.0) -> None:
         self._finish_request = finish_request
         self._on_finished = on_finished
+        self._gate = gate or HostGate()  # the engine thread's (host_gate.py)
+        self._hold_s = hold_s
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._states: dict[str, RequestState] = {}  # this thread only
         self._aborted_in_callback: list[str] = []  # this thread only
@@ -229,6 +237,7 @@ class OutputProcessor:
             if kind == "add":
                 self._states[payload.rid] = payload
                 continue
+            self._gate.hold(self._hold_s)  # out of the engine thread's way while it works
             for ev in payload:
                 try:
                     self._process(ev)
