@@ -103,10 +103,11 @@ class LaunchConfig:
     disable_overlap_schedule: bool = _opt(False, "resolve each step before scheduling the next "
                                           "(the overlap schedule builds step N+1 while step N "
                                           "runs; docs/engine.md)", flag=True)
-    output_hold_ms: float = _opt(5.0, "how long the output processor may hold a step's outputs "
-                                 "while the engine thread schedules and dispatches (host work "
-                                 "the device waits on), to deliver them while it waits instead; "
-                                 "0: at once (jengine/engine/host_gate.py)")
+    output_hold_ms: float = _opt(20.0, "how long a step's outputs may wait (the output "
+                                 "processor, a server's stream wake-ups) while the engine thread "
+                                 "schedules and dispatches -- host work the device waits on -- to "
+                                 "be delivered in its device wait instead; 0: at once "
+                                 "(jengine/engine/host_gate.py)")
 
     # -- server ----------------------------------------------------------------------------------
     host: str = _opt("127.0.0.1", "bind address (loopback by default)")

@@ -112,7 +112,7 @@ class LaunchPlan:
     server: ServerOptions
     input_logprob_chunk_tokens: int
     overlap_schedule: bool = True  # schedule step N+1 while step N runs (docs/engine.md)
-    output_hold_s: float = 0.005  # jengine/engine/host_gate.py
+    output_hold_s: float = 0.02  # jengine/engine/host_gate.py
 
     @property
     def model(self) -> ModelOptions:

@@ -44,8 +44,8 @@
 #   bench_e2e_auto the engine and server parts for auto in one run (no loop-overhead rows): the
 #                  server's ratio to the Engine, and where each run's time went (loop phases
 #                  summed over the run, the server's CPU per thread, the clients' CPU), ~300 s
-#   bench_e2e_hold0  bench_e2e_auto with --output-hold-ms 0 (the output processor delivers at once,
-#                  not in the engine thread's device wait: jengine/engine/host_gate.py), ~200 s
+#   bench_e2e_holdN  bench_e2e_auto with --output-hold-ms N (0: the output processor delivers at
+#                  once, not in the engine thread's device wait: jengine/engine/host_gate.py), ~200 s
 #   bench_engine_nocmdbuf  bench_engine with XLA's command buffers (CUDA graphs, on by default
 #                  over fusions, cuBLAS, cuDNN and custom calls) off: on the H200 the loop's host
 #                  then blocks in dispatch on a full launch queue (docs/performance.md)
@@ -181,7 +181,7 @@ for s in "$@"; do
     bench_engine) step bench_engine 590 python3 -m jengine.cli bench --parts engine --part-timeout 285 --out "$out/bench_engine" ;;
     bench_engine_rl) step bench_engine_rl 300 python3 -m jengine.cli bench --parts engine --numerics rl-bitwise --part-timeout 285 --out "$out/bench_engine_rl" ;;
     bench_e2e_auto) step bench_e2e_auto 420 python3 -m jengine.cli bench --parts engine server --numerics auto --loop-batch 0 --part-timeout 280 --out "$out/bench_e2e_auto" ;;
-    bench_e2e_hold0) step bench_e2e_hold0 420 python3 -m jengine.cli bench --parts engine server --numerics auto --loop-batch 0 --output-hold-ms 0 --part-timeout 280 --out "$out/bench_e2e_hold0" ;;
+    bench_e2e_hold*) step "$s" 420 python3 -m jengine.cli bench --parts engine server --numerics auto --loop-batch 0 --output-hold-ms "${s#bench_e2e_hold}" --part-timeout 280 --out "$out/$s" ;;
     bench_engine_nocmdbuf) XLA_FLAGS="--xla_gpu_enable_command_buffer=" step bench_engine_nocmdbuf 590 python3 -m jengine.cli bench --parts engine --part-timeout 285 --out "$out/bench_engine_nocmdbuf" ;;
     bench_server) step bench_server 590 python3 -m jengine.cli bench --parts server --part-timeout 285 --out "$out/bench_server" ;;
     bench_server_auto) step bench_server_auto 300 python3 -m jengine.cli bench --parts server --numerics auto --part-timeout 285 --out "$out/bench_server_auto" ;;

@@ -171,7 +171,7 @@ def _check_engine(r):
     total = r["host_phases"]["total_s"]
     assert total["wait"] > 0 and total["dispatch"] > 0 and sum(total.values()) <= r["wall_s"]
     # the output processor's holds at the engine's host gate (jengine/engine/host_gate.py)
-    assert r["output_hold_s"] == 0.005 and r["host_phases"]["output_holds"] >= 0
+    assert r["output_hold_s"] == 0.02 and r["host_phases"]["output_holds"] >= 0
     assert r["host_phases"]["output_hold_timeouts"] <= r["host_phases"]["output_holds"]
 
 
@@ -191,7 +191,7 @@ def _check_server(r, md):
     assert cpu["engine"] > 0 and cpu["event loop"] > 0 and r["client_cpu_s"] > 0
     assert sum(cpu.values()) < 2 * r["wall_s"] * os.cpu_count()  # seconds, not ticks
     assert "| `auto` | server |" in md and "| `auto` | Engine |" in md
-    assert r["output_hold_ms"] == 5.0 and "output_holds" in r["host_phases"]
+    assert r["output_hold_ms"] == 20.0 and "output_holds" in r["host_phases"]
     assert "outputs held s (holds / timeouts)" in md
     assert "| numerics | engine | event loop | other threads | output | clients |" in md
 

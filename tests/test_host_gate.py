@@ -134,3 +134,110 @@ def test_output_hold_ms_is_checked_and_parsed():
     for bad in (-1.0, 5000.0, "5", True):
         with pytest.raises(ValueError, match="--output-hold-ms="):
             validate_choices(LaunchConfig(output_hold_ms=bad))
+
+
+class _Owner:
+    def _observe(self, handle, update):
+        pass
+
+    def abort_soon(self, rid):
+        pass
+
+    def _forget(self, rid):
+        pass
+
+
+def _read_streams(gate, hold_s, n, script, got=None):
+    """n streams on one LoopWakeups with `gate`, each offered its final output at once (as one
+    step's outputs are); `script(streams, got)` then steers the gate from another thread. Returns
+    (rid, time) in the order the readers got their output."""
+    import asyncio
+
+    from jengine.server.async_engine import LoopWakeups, RequestStream
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        wakeups = LoopWakeups(loop, gate, hold_s)
+        streams = [RequestStream(_Owner(), f"r{i}", wakeups) for i in range(n)]
+
+        async def read(stream):
+            async for update in stream.updates():
+                got.append((stream.rid, time.monotonic()))
+
+        _offer_all(streams)
+        readers = [asyncio.ensure_future(read(s)) for s in streams]
+        driver = threading.Thread(target=script, args=(streams, got))
+        driver.start()
+        await asyncio.wait_for(asyncio.gather(*readers), 60)
+        driver.join()
+        return got
+
+    got = [] if got is None else got
+    return asyncio.run(run())
+
+
+def _offer_all(streams):
+    for i, s in enumerate(streams):
+        s.offer({"text": "", "output_ids": [i], "finished": True, "meta_info": {}})
+
+
+def test_the_event_loop_wakes_streams_in_the_engines_wait():
+    gate = HostGate()
+    gate.close()
+    opened = []
+
+    def script(streams, got):
+        time.sleep(0.3)
+        opened.append((len(got), time.monotonic()))
+        gate.open()
+
+    got = _read_streams(gate, 30.0, 40, script)  # more streams than one chunk
+    assert opened[0][0] == 0  # the engine thread was busy: nobody woken
+    assert [rid for rid, _ in got] == [f"r{i}" for i in range(40)]
+    assert all(t >= opened[0][1] for _, t in got)
+
+
+def test_the_event_loop_stops_between_chunks_when_the_engine_gets_busy():
+    from jengine.server.async_engine import LoopWakeups
+
+    gate = HostGate()
+    first_chunk = []
+
+    class CloseOnFirstRead(list):
+        def append(self, item):
+            super().append(item)
+            if len(self) == 1:
+                gate.close()  # the engine thread starts its next step's host work
+
+    def script(streams, got):
+        time.sleep(0.3)
+        first_chunk.append(len(got))
+        gate.open()
+
+    got = _read_streams(gate, 30.0, 4 * LoopWakeups.CHUNK, script, CloseOnFirstRead())
+    assert first_chunk == [LoopWakeups.CHUNK]  # the chunk already woken, not one stream more
+    assert [rid for rid, _ in got] == [f"r{i}" for i in range(4 * LoopWakeups.CHUNK)]
+
+
+def test_the_event_loop_gives_up_waiting_after_the_hold():
+    gate = HostGate()
+    gate.close()  # and never opened
+
+    got = _read_streams(gate, 0.05, 40, lambda streams, got: None)
+    assert [rid for rid, _ in got] == [f"r{i}" for i in range(40)]
+
+
+def test_negative_control_without_a_gate_streams_wake_at_once():
+    gate = HostGate()
+    gate.close()
+    seen = []
+
+    def script(streams, got):
+        deadline = time.monotonic() + 30
+        while len(got) < 40 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        seen.append(len(got))
+        gate.open()
+
+    _read_streams(gate, 0.0, 40, script)  # hold 0: the gate is not consulted
+    assert seen == [40]

@@ -13,20 +13,28 @@ thread's host phases stretched 2-4x (docs/performance.md, eleventh session).
 The gate is open while the engine thread waits (for the device, or for work) and closed while it
 works. The output processor holds a step's outputs while the gate is closed, for at most
 `--output-hold-ms` (so a long compile or a host-bound engine delays them by that much, no more),
-and delivers them in the engine's wait; the stream events they wake are then encoded and sent
-there too. Nothing is reordered or dropped: the hold only moves when the outputs are delivered.
+and delivers them in the engine's wait; a server's event loop wakes the streams those outputs
+reach in chunks, and defers the rest while the gate is closed, for at most as long
+(jengine/server/async_engine.py, `LoopWakeups`). Nothing is reordered or dropped: the hold only
+moves when outputs are delivered and read.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from typing import Callable
+
+logger = logging.getLogger("jengine.engine")
 
 
 class HostGate:
     def __init__(self) -> None:
         self._open = threading.Event()
         self._open.set()  # nothing runs yet
+        self._lock = threading.Lock()
+        self._when_open: list[Callable[[], None]] = []
         self.held_s = 0.0  # the holder's side: seconds spent waiting at the gate
         self.holds = 0  # waits that found it closed
         self.timeouts = 0  # ... and gave up after their maximum
@@ -37,8 +45,27 @@ class HostGate:
 
     def open(self) -> None:
         self._open.set()
+        with self._lock:  # after the set: a caller that saw it closed has registered by now
+            callbacks, self._when_open = self._when_open, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # a waiter's hand-off must never take the engine loop down
+                logger.exception("host gate callback failed")
 
     # Any other thread.
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    def call_when_open(self, callback: Callable[[], None]) -> None:
+        """Run `callback` once, in the engine thread the next time it opens the gate (at once,
+        here, if it is open). It must be quick and must not block: a thread-safe hand-off."""
+        with self._lock:
+            if not self._open.is_set():
+                self._when_open.append(callback)
+                return
+        callback()
+
     def hold(self, max_s: float) -> None:
         """Return once the gate is open, or after `max_s` seconds (0: at once)."""
         if max_s <= 0 or self._open.is_set():
