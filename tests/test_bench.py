@@ -192,6 +192,8 @@ def _check_server(r, md):
     assert sum(cpu.values()) < 2 * r["wall_s"] * os.cpu_count()  # seconds, not ticks
     assert "| `auto` | server |" in md and "| `auto` | Engine |" in md
     assert r["output_hold_ms"] == 20.0 and "output_holds" in r["host_phases"]
+    # the clients ran in 3 processes (--server-client-procs 4, capped at the 3 clients)
+    assert r["client_procs"] == 3 and "(3 procs)" in md
     assert "outputs held s (holds / timeouts)" in md
     assert "| numerics | engine | event loop | other threads | output | clients |" in md
 

@@ -84,6 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--server-clients", type=int, default=256,
                    help="server: concurrent /generate clients, one request each (the engine "
                         "part's workload: --e2e-input / --e2e-output tokens)")
+    p.add_argument("--server-client-procs", type=int, default=4,
+                   help="server: processes the clients are spread over (one Python process "
+                        "reading 256 streams falls behind the server; jengine/bench/clients.py)")
     p.add_argument("--server-stream", choices=("on", "off"), default="on",
                    help="server: off = the clients ask for whole responses, not streams (a "
                         "diagnosis: what streaming's per-token events cost the server; no TTFT / "
@@ -121,7 +124,7 @@ def add_parser(subparsers):
 # Options a child needs, forwarded as given (--numerics is forwarded one value per child).
 CHILD_OPTIONS = ("batch_sizes", "context", "long_context", "long_context_batch", "prefill_tokens",
                  "rows", "iters", "tile_candidates", "leaf_shapes", "e2e_requests", "e2e_input",
-                 "e2e_output", "loop_batch", "server_clients", "server_stream",
+                 "e2e_output", "loop_batch", "server_clients", "server_client_procs", "server_stream",
                  "server_switch_interval", "output_hold_ms", "hf_batch", "hf_new_tokens", "shape")
 
 

@@ -206,13 +206,15 @@ def _server_time_split(servers: dict, engines: dict) -> list[str]:
     if cpu:
         names = sorted({k for r in cpu.values() for k in r["server_cpu_s"]})
         lines += ["CPU seconds during the timed run: the server process per thread (/proc), and "
-                  "the bench's clients (one process, one event loop):", "",
+                  "the bench's client processes together (each one event loop; "
+                  "`--server-client-procs`):", "",
                   "| numerics | " + " | ".join(names) + " | clients |",
                   "|---|" + "---|" * (len(names) + 1)]
         for n, r in cpu.items():
             lines.append(f"| `{n}` | " + " | ".join(fmt(r["server_cpu_s"].get(k), ".2f")
                                                      for k in names)
-                         + f" | {fmt(r.get('client_cpu_s'), '.2f')} |")
+                         + f" | {fmt(r.get('client_cpu_s'), '.2f')} ({r.get('client_procs', 1)} "
+                         "procs) |")
         lines.append("")
     return lines
 

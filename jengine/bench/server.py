@@ -11,14 +11,13 @@ uvicorn server `jengine serve` runs (jengine/server/app.py).
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import os
 import socket
 import subprocess
 import sys
 import time
 
+from jengine.bench.clients import run_clients
 from jengine.bench.common import _checkpoint
 from jengine.config import LaunchConfig
 from jengine.server.gil import ENGINE_SWITCH_INTERVAL_S
@@ -70,38 +69,6 @@ def _serve(args) -> None:
 
     favour_engine_thread(args.switch_interval)  # as `jengine serve` does
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
-
-
-async def _client(http, url: str, ids: list[int], sampling: dict,
-                  stream: bool) -> tuple[float, list, int]:
-    """One request: (submit time, [(arrival, tokens so far)], tokens at the end). Unstreamed, the
-    one event is the whole response."""
-    events, t0 = [], time.perf_counter()
-    body = {"input_ids": ids, "sampling_params": sampling, "stream": stream}
-    if not stream:
-        resp = await http.post(url + "/generate", json=body)
-        resp.raise_for_status()
-        n = len(resp.json()["output_ids"])
-        return t0, [(time.perf_counter(), n)], n
-    async with http.stream("POST", url + "/generate", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            out = json.loads(line[len("data: "):])
-            events.append((time.perf_counter(), len(out["output_ids"])))
-    return t0, events, events[-1][1] if events else 0
-
-
-async def _clients(url: str, prompts, sampling: dict, stream: bool) -> tuple[float, list]:
-    import httpx
-
-    limits = httpx.Limits(max_connections=len(prompts) + 8)
-    async with httpx.AsyncClient(timeout=None, limits=limits) as http:
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(_client(http, url, ids, sampling, stream)
-                                         for ids in prompts))
-        return time.perf_counter() - t0, results
 
 
 def _wait_healthy(url: str, proc, deadline: float) -> None:
@@ -158,10 +125,12 @@ def part_server(args) -> dict:
         print(f"[{args.numerics}] server workload once untimed (compiles what its steps "
               "need) ...", flush=True)
         stream = args.server_stream == "on"
-        out["warm_run"] = _timed_run(url, prompts, sampling, proc.pid, stream)[0]
+        client_procs = max(1, min(args.server_client_procs, args.server_clients))
+        out["client_procs"] = client_procs
+        out["warm_run"] = _timed_run(url, prompts, sampling, proc.pid, stream, client_procs)[0]
         _checkpoint(args, out)
         print(f"[{args.numerics}] server workload, timed ...", flush=True)
-        timed, results = _timed_run(url, prompts, sampling, proc.pid, stream)
+        timed, results = _timed_run(url, prompts, sampling, proc.pid, stream, client_procs)
     finally:
         proc.terminate()
         try:
@@ -201,8 +170,8 @@ def cpu_by_thread(before: dict, after: dict, names: dict[str, int]) -> dict[str,
     return out
 
 
-def _timed_run(url: str, prompts, sampling: dict, pid: int,
-               stream: bool = True) -> tuple[dict, list]:
+def _timed_run(url: str, prompts, sampling: dict, pid: int, stream: bool = True,
+               client_procs: int = 1) -> tuple[dict, list]:
     """One run of the workload from an empty prefix cache: wall time, throughput and what the
     server compiled meanwhile; where the time went (the server's CPU per thread, the clients'
     CPU, the engine loop's phases summed over the run); and each client's (submit time, events,
@@ -212,9 +181,9 @@ def _timed_run(url: str, prompts, sampling: dict, pid: int,
     httpx.post(url + "/flush_cache", timeout=60).raise_for_status()
     before = httpx.get(url + COMPILES_ROUTE, timeout=60).json()
     httpx.post(url + PHASES_ROUTE, timeout=60).raise_for_status()
-    cpu0, client0 = thread_cpu_s(pid), time.process_time()
-    wall, results = asyncio.run(_clients(url, prompts, sampling, stream))
-    client_cpu, cpu1 = time.process_time() - client0, thread_cpu_s(pid)
+    cpu0 = thread_cpu_s(pid)
+    wall, results, client_cpu = run_clients(url, prompts, sampling, stream, client_procs)
+    cpu1 = thread_cpu_s(pid)
     after = httpx.get(url + COMPILES_ROUTE, timeout=60).json()
     phases = httpx.get(url + PHASES_ROUTE, timeout=60).json()
     produced = sum(n for _, _, n in results)
