@@ -51,6 +51,12 @@ def _processor(gate, hold_s):
     return proc, delivered
 
 
+def _wait_for(condition, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_the_output_processor_delivers_in_the_engines_wait_in_order():
     gate = HostGate()
     gate.close()  # the engine thread is scheduling and dispatching
@@ -61,9 +67,7 @@ def test_the_output_processor_delivers_in_the_engines_wait_in_order():
         time.sleep(0.2)
         assert delivered == []  # held while the gate is closed
         gate.open()  # the engine thread waits for the device
-        deadline = time.monotonic() + 30
-        while len(delivered) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_for(lambda: len(delivered) >= 2)
         assert [d["output_ids"] for d in delivered] == [[7], [7, 8]]
         assert delivered[-1]["text"] == "<7><8>"
         assert gate.timeouts == 0
@@ -78,9 +82,7 @@ def test_negative_control_no_hold_delivers_through_a_closed_gate():
     proc, delivered = _processor(gate, hold_s=0.0)
     try:
         proc.put([StepOutput("r", new_token_ids=[7])])
-        deadline = time.monotonic() + 30
-        while not delivered and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_for(lambda: delivered)
         assert [d["output_ids"] for d in delivered] == [[7]] and gate.holds == 0
     finally:
         proc.shutdown()
@@ -92,9 +94,7 @@ def test_a_hold_gives_up_after_its_maximum():
     proc, delivered = _processor(gate, hold_s=0.02)
     try:
         proc.put([StepOutput("r", new_token_ids=[7])])
-        deadline = time.monotonic() + 30
-        while not delivered and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_for(lambda: delivered)
         assert [d["output_ids"] for d in delivered] == [[7]]
         assert gate.holds == 1 and gate.timeouts == 1
     finally:

@@ -11,9 +11,9 @@ bench's server), not the library: an in-process Engine's caller keeps its own se
 
 0.1 ms since the eleventh session: on the H200, 256 streaming clients, the engine loop's
 schedule + dispatch phases summed over the run fell from 8.5 to 6.5 s and the server's output
-from 3428 to 3728 tok/s against 0.5 ms (one run each; docs/performance.md). What is left of the
-server's gap to the in-process Engine is the event loop's per-token stream events: unstreamed,
-the same run reaches 0.91x.
+from 3428 to 3728 tok/s against 0.5 ms (one run each; docs/performance.md). The switch interval
+only bounds how long the engine thread waits for the GIL; what keeps the other threads from
+asking for it while the engine thread works is its host gate (jengine/engine/host_gate.py).
 """
 
 from __future__ import annotations
