@@ -7,9 +7,10 @@ the GIL the engine thread needs (docs/performance.md, eleventh session). This me
 alone: the real app (`create_app` over the embedded tiny model's Engine) under uvicorn on
 127.0.0.1, with the engine's `submit` swapped for a stand-in whose thread offers every request
 one new token per `--step-ms` as the output processor does (`build_output`'s dict shape, the
-text growing with the ids), and `--streams` streaming `/generate` clients in a separate process
-reading the SSE events. Printed: the event loop thread's CPU µs per event it sent, events per
-request (fewer than tokens when readers fall behind), and the clients' wall time. `--profile F`
+text growing with the ids), and `--streams` streaming `/generate` clients in separate processes
+(`--client-procs`; jengine/bench/clients.py, the bench's own) reading the SSE events. Printed:
+the event loop thread's CPU µs per event it sent, events per request (fewer than tokens when
+readers fall behind), and the clients' wall time. `--profile F`
 writes a cProfile of the event loop thread (pstats format) for `python -m pstats F`.
 """
 
@@ -18,9 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
-import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -68,48 +67,22 @@ class _Producer:
                 self.offered += 1
 
 
-def _clients(url: str, streams: int, tokens: int) -> None:
-    """The client process: `streams` concurrent streaming requests; prints a JSON summary."""
-    import httpx
-
-    async def one(http):
-        events = 0
-        body = {"input_ids": [1, 2, 3], "stream": True,
-                "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True}}
-        async with http.stream("POST", url + "/generate", json=body) as resp:
-            resp.raise_for_status()
-            async for line in resp.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    events += 1
-        return events
-
-    async def run():
-        async with httpx.AsyncClient(timeout=None,
-                                     limits=httpx.Limits(max_connections=streams + 8)) as http:
-            t0 = time.perf_counter()
-            counts = await asyncio.gather(*(one(http) for _ in range(streams)))
-            return time.perf_counter() - t0, counts
-
-    wall, counts = asyncio.run(run())
-    print(json.dumps({"wall_s": wall, "events": sum(counts)}), flush=True)
-
-
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--streams", type=int, default=256)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--step-ms", type=float, default=20.0)
     p.add_argument("--profile", default=None)
-    p.add_argument("--loop", choices=("asyncio", "uvloop"), default="uvloop",
-                   help="the event loop (uvicorn's default picks uvloop where it is installed)")
-    p.add_argument("--client", default=None, help=argparse.SUPPRESS)  # the client process's url
+    p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
+                   help="the event loop (uvloop: where it is installed, as uvicorn's default "
+                        "picks it; not a jengine dependency)")
+    p.add_argument("--client-procs", type=int, default=1,
+                   help="processes the clients run in (jengine/bench/clients.py)")
     args = p.parse_args()
-    if args.client:
-        _clients(args.client, args.streams, args.tokens)
-        return 0
 
     import uvicorn
 
+    from jengine.bench.clients import run_clients
     from jengine.config import LaunchConfig
     from jengine.engine.engine import Engine
     from jengine.server.app import create_app
@@ -132,14 +105,15 @@ def main() -> int:
         cpu0 = time.thread_time()
         if profiler:
             profiler.enable()
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, __file__, "--client", url, "--streams", str(args.streams),
-            "--tokens", str(args.tokens), stdout=subprocess.PIPE)
-        out, _ = await proc.communicate()
+        prompts = [[1, 2, 3]] * args.streams
+        sampling = {"max_new_tokens": args.tokens, "ignore_eos": True}
+        wall, results, _ = await asyncio.get_running_loop().run_in_executor(
+            None, run_clients, url, prompts, sampling, True, args.client_procs)
         if profiler:
             profiler.disable()
             profiler.dump_stats(args.profile)
-        result.update(json.loads(out), loop_cpu_s=time.thread_time() - cpu0)
+        result.update(wall_s=wall, events=sum(len(events) for _, events, _ in results),
+                      loop_cpu_s=time.thread_time() - cpu0)
         server.should_exit = True
 
     async def serve():

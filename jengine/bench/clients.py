@@ -4,7 +4,7 @@
 One Python process reading 256 SSE streams (httpx, a `json.loads` per event) spent 7-12 s of CPU
 in a 14-20 s run on the H200 host, so in the decode phase it fell behind the server and the run's
 wall time measured the client as much as the server. Each process here runs its share of the
-clients on its own event loop; all start on one signal, and the wall time is from the first
+clients on its own event loop (even with one process, never the caller's); all start on one signal, and the wall time is from the first
 process's start to the last one's end (CLOCK_MONOTONIC, shared by the processes of one machine).
 
     python -m jengine.bench.clients     (a child: reads its share as JSON on stdin, prints
@@ -56,12 +56,9 @@ async def _clients(url: str, prompts, sampling: dict, stream: bool) -> tuple[flo
 def run_clients(url: str, prompts, sampling: dict, stream: bool,
                 procs: int) -> tuple[float, list, float]:
     """(wall seconds, each client's (submit time, events, tokens) in prompt order, the client
-    processes' CPU seconds)."""
+    processes' CPU seconds). Always in child processes, one too: the caller's own process (the
+    bench, or scripts/stream_http_bench.py's server) keeps no client work."""
     procs = max(1, min(procs, len(prompts)))
-    if procs == 1:
-        cpu0 = time.process_time()
-        start, end, results = asyncio.run(_clients(url, prompts, sampling, stream))
-        return end - start, results, time.process_time() - cpu0
     shares = [prompts[i::procs] for i in range(procs)]  # interleaved: each share mixes lengths
     children = [subprocess.Popen([sys.executable, "-m", "jengine.bench.clients"],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
