@@ -2,8 +2,9 @@
 
 This module imports triton at the top, so only the leaf modules (triton_gemm.py, triton_norm.py,
 triton_activation.py, triton_sampling.py) import it, lazily, on first call. Everything here is a
-pure function of static shapes: no autotuning, no tile chosen by the row count, and where a kernel
-has two schedules (split-K GEMM, split attention) both give the same bits.
+pure function of static shapes: no autotuning, nothing that reaches the bits chosen by the row
+count (a GEMM's launch shape may follow M, its K chunks may not), and where a kernel has two
+schedules (split-K GEMM, split attention) both give the same bits.
 
 Why one source and not two implementations: jax-triton compiles a `triton.jit` function with the
 installed Triton, and torch launches the same function through Triton's own launcher, so the two
@@ -11,8 +12,8 @@ hosts run the same PTX (measured: 0 differing outputs; platform-facts.md). A tra
 torch launchers gets the engine's bits, not a re-implementation's.
 
 Arithmetic choices that keep the bits independent of the row count and faithful to the HF forms:
-* GEMM: a fixed (BM, BN, BK, KSPLIT) tile per static (N, K, dtype); each of KSPLIT fixed K chunks
-  accumulates in order, BK at a time, in a fresh f32 accumulator, and the chunk sums are added in
+* GEMM: KSPLIT fixed K chunks per static (N, K, dtype); each accumulates in order, BK at a time
+  (the MMA itself K 16 at a time), in a fresh f32 accumulator, and the chunk sums are added in
   order; rows outside M are loaded as zeros and never stored. A row is one row of the MMA, so its
   products and sums never touch its neighbours.
 * f32 operands use input_precision="ieee" (Triton's default for f32 is TF32).

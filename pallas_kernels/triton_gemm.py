@@ -4,11 +4,13 @@ batch-invariant and shared with torch.
 Signature (pallas_kernels/gemm.py): ``fn(x[M, K], w[K, N], bias=None, *, out_dtype) -> [M, N]``;
 f32 accumulation, optional bias added to the f32 accumulator, one rounding to ``out_dtype``.
 
-Why a row's bits never depend on M: the tile (BM, BN, BK, KSPLIT), warps and stages are a function
-of the static (N, K, dtype) alone (`tile_for`: the tables of triton_gemm_tiles.json, read by
-triton_gemm_tiles.py); K is cut into KSPLIT fixed chunks, each walked in order BK at a time from a
-zero accumulator, and the chunk sums are added in chunk order; a row is one row of each MMA, so
-changing M only changes how many tiles are launched.
+Why a row's bits never depend on M: K is cut into KSPLIT fixed chunks -- KSPLIT a function of the
+static (N, K, dtype) alone (`tile_for`: the tables of triton_gemm_tiles.json, read by
+triton_gemm_tiles.py) -- each walked in order from a zero accumulator, the MMA stepping K 16 at a
+time, and the chunk sums are added in chunk order; a row is one row of each MMA, so changing M only
+changes how many tiles are launched. The launch shape (BM, BN, BK, warps, stages) may follow M
+(a table's `by_m` rules give decode steps smaller tiles): on the H200 every launch shape on the
+same K chunks gave 0 differing f32 outputs (scripts/gpu_gemm_decode_tiles.py).
 
 Two schedules compute exactly that: `serial` (one program per output tile does every chunk) and
 `split` (one program per tile and chunk, then gemm_reduce_kernel). Small M has too few output tiles
@@ -94,7 +96,7 @@ def gemm_triton(x, w, bias=None, *, out_dtype, tile: GemmTile | None = None,
                 schedule: str | None = None):
     """JAX leaf: the fixed-tile kernel through jax-triton (works inside and outside jit)."""
     m, k, n = _check(x, w, bias, out_dtype)
-    tile = tile or tile_for(n, k, x.dtype)
+    tile = tile or tile_for(n, k, x.dtype, m)
     _check_tile(k, tile)
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
@@ -122,7 +124,7 @@ def gemm_triton_torch(x, w, bias=None, *, out_dtype, tile: GemmTile | None = Non
     m, k, n = _check(x, w, bias, out_dtype)
     require_cuda_tensors("gemm_triton_torch", x, w, bias)
     x, w, bias = contiguous(x), contiguous(w), contiguous(bias)
-    tile = tile or tile_for(n, k, x.dtype)
+    tile = tile or tile_for(n, k, x.dtype, m)
     _check_tile(k, tile)
     out = torch.empty((m, n), dtype=torch_dtype(out_dtype), device=x.device)
     if m == 0:
@@ -146,12 +148,13 @@ def gemm_triton_torch(x, w, bias=None, *, out_dtype, tile: GemmTile | None = Non
 
 
 def group_tile(x, ws, biases) -> GemmTile | None:
-    """The one tile every member uses, or None when the members cannot share a launch (different
-    tiles, bias on some members only, or not 2-3 members): they then run one launch each."""
+    """The one tile every member uses at this M, or None when the members cannot share a launch
+    (different tiles, bias on some members only, or not 2-3 members): they then run one launch
+    each."""
     if len(ws) not in (2, 3) or (biases is not None and any(b is None for b in biases)):
         return None
-    k = x.shape[1]
-    tiles = {tile_for(w.shape[1], k, x.dtype) for w in ws}
+    m, k = x.shape
+    tiles = {tile_for(w.shape[1], k, x.dtype, m) for w in ws}
     return tiles.pop() if len(tiles) == 1 else None
 
 
@@ -176,13 +179,14 @@ def _pad3(items, filler):
     return (*items, filler) if len(items) == 2 else tuple(items)
 
 
-def gemm_group_triton(x, ws, biases=None, *, out_dtype, schedule: str | None = None):
+def gemm_group_triton(x, ws, biases=None, *, out_dtype, schedule: str | None = None,
+                      tile: GemmTile | None = None):
     """JAX: (x @ w_i (+ b_i) for each w_i) in one launch (+ one reduce), each output bit-identical
-    to gemm_triton(x, w_i, b_i): the same tile body with the same tile (group_tile). Members that
-    cannot share a tile run one gemm_triton each."""
+    to gemm_triton(x, w_i, b_i): the same tile body with the same tile (group_tile; `tile` forces
+    one, for experiments). Members that cannot share a tile run one gemm_triton each."""
     for i, w in enumerate(ws):
         _check(x, w, None if biases is None else biases[i], out_dtype)
-    tile = group_tile(x, ws, biases)
+    tile = tile or group_tile(x, ws, biases)
     if tile is None:
         return tuple(gemm_triton(x, w, None if biases is None else biases[i], out_dtype=out_dtype,
                                  schedule=schedule) for i, w in enumerate(ws))
@@ -213,14 +217,15 @@ def gemm_group_triton(x, ws, biases=None, *, out_dtype, schedule: str | None = N
     return tuple(res[:len(ns)])
 
 
-def gemm_group_triton_torch(x, ws, biases=None, *, out_dtype, schedule: str | None = None):
+def gemm_group_triton_torch(x, ws, biases=None, *, out_dtype, schedule: str | None = None,
+                            tile: GemmTile | None = None):
     """The grouped launch on torch tensors (the trainer's separate gemm_triton_torch calls give the
     same bits; this exists so that claim can be checked from one host)."""
     import torch
 
     for i, w in enumerate(ws):
         _check(x, w, None if biases is None else biases[i], out_dtype)
-    tile = group_tile(x, ws, biases)
+    tile = tile or group_tile(x, ws, biases)
     if tile is None:
         return tuple(gemm_triton_torch(x, w, None if biases is None else biases[i],
                                        out_dtype=out_dtype, schedule=schedule)

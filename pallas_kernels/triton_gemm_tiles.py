@@ -3,12 +3,21 @@
 The tiles live in triton_gemm_tiles.json beside this module (shipped as package data): a set of
 named tiles, tables whose entries give one of them for an exact (N, K, dtype) -- the Llama-3-8B H200
 table is one table among others -- and, per dtype, rules for every other shape ("N >= min_n takes
-this tile", first match wins). A tile is a function of the static (N, K, dtype) alone, never of M,
-so a row's bits cannot depend on how many rows share the call.
+this tile", first match wins).
+
+What a row's bits depend on, and so what may never follow M: the K schedule -- the tile's k_split
+fixed K chunks, each accumulated from zero in order, the chunk sums added in order. The entry's
+tile fixes it from the static (N, K, dtype) alone. The launch shape (block_m, block_n, block_k,
+warps, stages) does not reach the bits: the MMA steps K 16 at a time whatever the tile, and on the
+H200 every launch shape tried with the same k_split gave 0 differing f32 outputs at M = 1..200 while
+twice the chunks changed thousands (scripts/gpu_gemm_decode_tiles.py, docs/gpu-validation.md). So
+a bf16 entry may name `by_m` launch shapes for small M (decode steps stream weights: smaller
+tiles, more programs), each keeping the entry's k_split; loading refuses one that does not.
 
 Loading checks the file: every tile field known and typed, every name resolved, each dtype's rules
-ending in one that matches any N, and no key given two different tiles by two tables (which table
-wins would otherwise be an accident of file order, and so would the GPU bits).
+ending in one that matches any N, no key given two different tiles by two tables (which table
+wins would otherwise be an accident of file order, and so would the GPU bits), and by_m tiles on
+the entry's K schedule, in increasing max_m.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ TILES_PATH = Path(__file__).with_name("triton_gemm_tiles.json")
 
 @dataclass(frozen=True)
 class GemmTile:
-    """One fixed tiling. Never chosen from M (that would make a row's bits depend on the batch)."""
+    """One tiling. Its k_split is the K schedule (the bits); the rest is the launch shape."""
 
     block_m: int
     block_n: int
@@ -60,13 +69,22 @@ class TileTables:
 
     tables: Mapping[str, Mapping[TileKey, GemmTile]]
     defaults: Mapping[str, tuple[tuple[int, GemmTile], ...]]  # dtype -> ((min_n, tile), ...)
+    # key -> ((max_m, launch shape), ...), increasing max_m; each on the key's tile's k_split
+    by_m: Mapping[TileKey, tuple[tuple[int, GemmTile], ...]] = dataclasses.field(
+        default_factory=dict)
 
     def tuned(self) -> dict[TileKey, GemmTile]:
         """Every (N, K, dtype) some table gives a tile for (the tables agree, see load)."""
         return {key: tile for table in self.tables.values() for key, tile in table.items()}
 
-    def tile_for(self, n: int, k: int, dtype) -> GemmTile:
+    def tile_for(self, n: int, k: int, dtype, m: int | None = None) -> GemmTile:
+        """The tile of x[M, K] @ w[K, N]. Without m, or past every by_m rule, the entry's own
+        tile; its k_split is the same whatever m is (load checks), so the bits are too."""
         name = dtype_name(dtype)
+        if m is not None:
+            for max_m, tile in self.by_m.get((n, k, name), ()):
+                if m <= max_m:
+                    return tile
         for table in self.tables.values():
             if (n, k, name) in table:
                 return table[(n, k, name)]
@@ -107,6 +125,7 @@ def load(path: Path = TILES_PATH) -> TileTables:
         return tiles[name]
 
     tables: dict[str, dict[TileKey, GemmTile]] = {}
+    by_m: dict[TileKey, tuple[tuple[int, GemmTile], ...]] = {}
     origin: dict[TileKey, tuple[str, GemmTile]] = {}
     for table_name, table in doc.get("tables", {}).items():
         entries = tables[table_name] = {}
@@ -125,6 +144,11 @@ def load(path: Path = TILES_PATH) -> TileTables:
                                      f"{theirs.describe()}, table {table_name!r} {tile.describe()}")
             origin.setdefault(key, (table_name, tile))
             entries[key] = tile
+            rules = _by_m(where, entry.get("by_m", []), key, tile, resolve)
+            if key in by_m and by_m[key] != rules:
+                raise TileTableError(f"{where}: (N, K, dtype)={key} is given two by_m lists")
+            if rules:
+                by_m[key] = rules
 
     defaults: dict[str, tuple[tuple[int, GemmTile], ...]] = {}
     for dtype, rules in doc.get("defaults", {}).items():
@@ -134,7 +158,30 @@ def load(path: Path = TILES_PATH) -> TileTables:
         if not resolved or resolved[-1][0] != 0:
             raise TileTableError(f"defaults {dtype!r}: the last rule must have min_n=0 (any N)")
         defaults[dtype] = resolved
-    return TileTables(tables, defaults)
+    return TileTables(tables, defaults, by_m)
+
+
+def _by_m(where: str, rules, key: TileKey, tile: GemmTile, resolve):
+    """An entry's by_m list: [{"max_m": int, "tile": name}, ...] -> ((max_m, tile), ...)."""
+    if not isinstance(rules, list):
+        raise TileTableError(f"{where}: by_m={rules!r} must be a list of {{max_m, tile}}")
+    out, last = [], 0
+    for j, rule in enumerate(rules):
+        at = f"{where} by_m {j}"
+        max_m = rule.get("max_m") if isinstance(rule, dict) else None
+        if type(max_m) is not int or max_m <= last:
+            raise TileTableError(f"{at}: max_m={max_m!r} must be an int above {last} "
+                                 "(rules in increasing max_m)")
+        shape = resolve(at, rule.get("tile"))
+        if key[2] != "bf16":
+            raise TileTableError(f"{at}: by_m is measured for bf16 only, not dtype={key[2]}")
+        if shape.k_split != tile.k_split:
+            raise TileTableError(
+                f"{at}: tile={rule.get('tile')!r} has k_split={shape.k_split}, the entry's tile "
+                f"k_split={tile.k_split}: the K chunks are the bits, so they may not follow M")
+        out.append((max_m, shape))
+        last = max_m
+    return tuple(out)
 
 
 TILES = load()

@@ -89,6 +89,9 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/attention_split")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny cases")
+    p.add_argument("--splits", type=int, nargs="*", default=[],
+                   help="also time today's launch with these SPLIT sizes: other bits, so for "
+                        "--numerics auto only (no contract there); rows differing are reported")
     args = p.parse_args()
     if args.smoke:  # before the kernels' module is imported: the interpreter is chosen then
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -114,6 +117,14 @@ def main() -> int:
         ref = split_launch(case, *TODAY)[1]
         control = rows_exp.rows_differ(ref, split_launch(case, *TODAY, split=128)[1])
         print(f"== {name}: control (SPLIT 128) differs in {control} rows", flush=True)
+        for split in args.splits:
+            run, out = split_launch(case, *TODAY, split=split)
+            rows.append(dict(case=name, split_warps=TODAY[0], split_stages=TODAY[1],
+                             combine_warps=TODAY[2], combine_stages=TODAY[3],
+                             rows_differ=rows_exp.rows_differ(ref, out), us=device_us(run),
+                             control_rows_differ=control, error=None, split=split))
+            print(f"   SPLIT {split} (auto only): {rows[-1]['us']:.1f} us, differ "
+                  f"{rows[-1]['rows_differ']} rows", flush=True)
         for cfg in configs:
             try:
                 run, out = split_launch(case, *cfg)
@@ -135,7 +146,8 @@ def main() -> int:
                 "today | µs per layer (split + combine) |\n|---|---|---|---|---|\n")
         for r in rows:
             us = "-" if r["us"] is None else f"{r['us']:.1f}"
-            f.write(f"| {r['case']} | {r['split_warps']} / {r['split_stages']} | "
+            f.write(f"| {r['case']}{' SPLIT %d' % r['split'] if 'split' in r else ''} | "
+                    f"{r['split_warps']} / {r['split_stages']} | "
                     f"{r['combine_warps']} / {r['combine_stages']} | "
                     f"{r['rows_differ'] if r['error'] is None else r['error']} | {us} |\n")
     return 0

@@ -10,6 +10,14 @@
 #   cmdbuf_ab      decode bs 1 / 64 (both numerics) with XLA's default command buffers (CUDA
 #                  graphs) and with them off (--xla_gpu_enable_command_buffer=): blocked,
 #                  pipelined and dispatch ms
+#   bench_model_rl_decode  rl-bitwise decode rows (bs 1 / 64, ctx 1024) only; with _noby_m the same
+#                  with the tile file's by_m launch shapes taken out (restored after)
+#   gemm_decode_tiles scripts/gpu_gemm_decode_tiles.py: other Triton GEMM tiles with the contract
+#                  tile's K schedule at decode M: bits vs the contract tile, device µs per GEMM
+#   gemm_decode_tiles_big_m  the by_m picks vs the entry's tile at M = 64 / 128 / 256 (timings)
+#   bench_model_decode  roofline + decode rows bs 1 / 64 of both numerics, 30 iterations
+#   gemm_decode_tiles2  timings only, per shape, of launch shapes around the table's by_m picks
+#   attention_split_auto  attention_split plus today's launch at SPLIT 64 / 128 (auto only)
 #   attention_split scripts/gpu_attention_split.py: the split attention schedule (bs 1 / 16
 #                  decode) at other num_warps / num_stages: bits vs today, µs per layer
 #   attention_rows scripts/gpu_attention_rows.py: does the attention leaf's query tile (ROWS = 16
@@ -155,6 +163,15 @@ for s in "$@"; do
       JENGINE_TRITON_CALL=ffi step model_triton_ffi 240 python3 -m jengine.cli bench --parts model --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 115 --out "$out/model_triton_ffi" ;;
     cmdbuf_modes) step cmdbuf_modes 400 bash scripts/gpu_cmdbuf_modes.sh "$out/cmdbuf_modes" ;;
     attention_split) step attention_split 200 python3 scripts/gpu_attention_split.py --out "$out/attention_split" ;;
+    attention_split_auto) step attention_split_auto 150 python3 scripts/gpu_attention_split.py --splits 64 128 --out "$out/attention_split_auto" ;;
+    gemm_decode_tiles2)  # timings only, per shape family: around the table's by_m picks
+      step gemm_decode_tiles_qkv_o 120 python3 scripts/gpu_gemm_decode_tiles.py --skip-bits --budget-s 100 --shapes q/o_proj "qkv group" --candidates 64,64,4,3 64,64,4,5 64,32,4,4 64,32,4,6 32,64,4,4 64,64,4,4,serial 64,32,4,4,serial --out "$out/gemm_decode_tiles_qkv_o"
+      step gemm_decode_tiles_gate_up 100 python3 scripts/gpu_gemm_decode_tiles.py --skip-bits --budget-s 80 --shapes "gate_up group" --candidates 64,128,4,3 64,128,4,5 64,256,4,3 64,128,4,4,split 64,64,4,4,split 64,64,4,6 --out "$out/gemm_decode_tiles_gate_up"
+      step gemm_decode_tiles_down 100 python3 scripts/gpu_gemm_decode_tiles.py --skip-bits --budget-s 80 --shapes down_proj --candidates 64,64,4,3 64,64,4,5 64,64,4,6 64,128,4,3 64,32,4,6 64,64,4,4,serial --out "$out/gemm_decode_tiles_down" ;;
+    gemm_decode_tiles_big_m)  # the by_m picks vs the entry's tile at M = 64 / 128 / 256 (timings)
+      step gemm_decode_tiles_big_m 150 python3 scripts/gpu_gemm_decode_tiles.py --skip-bits --budget-s 130 --time-rows 64 128 256 --candidates 64,64,4,6 --out "$out/gemm_decode_tiles_big_m" ;;
+    bench_model_decode) step bench_model_decode 240 python3 -m jengine.cli bench --parts roofline model --iters 30 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 60 model=110 --out "$out/bench_model_decode" ;;
+    gemm_decode_tiles) step gemm_decode_tiles 450 python3 scripts/gpu_gemm_decode_tiles.py --budget-s 370 --out "$out/gemm_decode_tiles" ;;
     attention_rows) step attention_rows 240 python3 scripts/gpu_attention_rows.py --out "$out/attention_rows" ;;
     attention_timing) step attention_timing 150 python3 scripts/gpu_attention.py --skip-checks --out "$out" ;;
     gemm) step gemm 170 python3 scripts/gpu_validate.py --skip-harness --only gemm --out "$out/val" ;;
@@ -174,6 +191,12 @@ for s in "$@"; do
     bench_decode) step bench_decode 560 python3 -m jengine.cli bench --parts roofline model --iters 5 --part-timeout 60 model=240 --out "$out/bench_decode" ;;
     bench_final) step bench_final 400 python3 -m jengine.cli bench --parts roofline model hf --iters 30 --part-timeout 60 model=230 hf=130 --out "$out/bench_final" ;;
     bench_model) step bench_model 420 python3 -m jengine.cli bench --parts roofline model --iters 20 --batch-sizes 1 64 256 --part-timeout 60 model=170 --out "$out/bench_model" ;;
+    bench_model_rl_decode) step bench_model_rl_decode 200 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 190 --out "$out/bench_model_rl_decode" ;;
+    bench_model_rl_decode_noby_m)  # the same rows with the tile file's by_m rules taken out (an A/B's "before")
+      cp pallas_kernels/triton_gemm_tiles.json /tmp/tiles.json.bak
+      python3 -c "import json; p = 'pallas_kernels/triton_gemm_tiles.json'; d = json.load(open(p)); [e.pop('by_m', None) for t in d['tables'].values() for e in t['entries']]; json.dump(d, open(p, 'w'))"
+      step bench_model_rl_decode_noby_m 200 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 190 --out "$out/bench_model_rl_decode_noby_m"
+      cp /tmp/tiles.json.bak pallas_kernels/triton_gemm_tiles.json ;;
     bench_model_rl) step bench_model_rl 200 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 256 --part-timeout 190 --out "$out/bench_model_rl" ;;
     bench_leaves) step bench_leaves 560 python3 -m jengine.cli bench --parts roofline leaves --iters 5 --part-timeout 120 leaves=420 --out "$out/bench_leaves" ;;
     sweep_prefill) step sweep_prefill 200 python3 -m jengine.cli bench --parts leaves --rows 1 64 4096 --iters 5 --leaf-shapes q/o_proj down_proj --tile-candidates 128,128,64,8,8,4,4 128,128,64,8,8,4,2 128,256,64,8,8,3,4 --part-timeout leaves=190 --out "$out/sweep_prefill" ;;

@@ -151,7 +151,8 @@ def leaf_checks(quick: bool, only: str | None = None) -> tuple[list[dict], list]
             None if negative else (lambda x, w, *b: tg.gemm_triton_torch(x, w, *b, out_dtype=out_dtype)))
         ref = lambda x, w, *b: x @ w + (b[0] if b else 0)
         tol = 1e-5 if (dtype == f32 and out_dtype == f32) else 1e-2
-        tile = "" if negative else f" [{tg.tile_for(n, k, dtype).describe()}]"
+        shapes = [tg.tile_for(n, k, dtype, m).describe() for m in (1, 512)]  # decode (by_m), big
+        tile = "" if negative else f" [{' / M=512: '.join(dict.fromkeys(shapes))}]"
         results.append(row_check(jf, tf, inputs, ref, 1, f"{label} K={k} N={n}{tile}", tol,
                                  negative=negative))
 

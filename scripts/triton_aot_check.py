@@ -29,7 +29,13 @@ def _compile(fn, args: dict, consts: dict, num_warps: int, num_stages: int,
 
     signature = dict(args, **{name: "constexpr" for name in consts})
     names = list(signature)
-    src = ASTSource(fn=fn, signature=signature,
+    # Array arguments 16-byte aligned, as jax-triton declares every array (XLA's buffers are) and
+    # Triton's launcher finds torch's: without it Triton cannot use async copies, does not
+    # pipeline the K loop, and this check would compile a kernel with one stage's shared memory
+    # instead of num_stages' -- missing exactly the overflow it exists to catch.
+    aligned = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(args.items())
+               if kind.startswith("*")}
+    src = ASTSource(fn=fn, signature=signature, attrs=aligned,
                     constexprs={(names.index(k),): v for k, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", *H200),
                           options=dict(num_warps=num_warps, num_stages=num_stages,
@@ -45,8 +51,12 @@ def gemm_kernels():
     shapes = {**{(n, k): [n] for n, k, dtype in TILES.tuned() if dtype == "bf16"},
               (6144, 4096): [4096, 1024, 1024],  # q/k/v grouped
               (28672, 4096): [14336, 14336]}  # gate/up grouped
-    for (n, k), members in shapes.items():
-        tile = tg.tile_for(members[0], k, "bf16")
+    launches = [((n, k), members, tg.tile_for(members[0], k, "bf16"))
+                for (n, k), members in shapes.items()]
+    launches += [((n, k), members, tile)  # the decode launch shapes (by_m) of the same keys
+                 for (n, k), members in shapes.items()
+                 for _, tile in TILES.by_m.get((members[0], k, "bf16"), ())]
+    for (n, k), members, tile in launches:
         for partial in (False, True):
             out = "*fp32" if partial else "*bf16"
             common = dict(K=k, HAS_BIAS=False, IEEE_F32=False, BM=tile.block_m, BN=tile.block_n,

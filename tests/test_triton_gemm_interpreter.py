@@ -49,6 +49,21 @@ def test_schedules_agree_bitwise_and_rows_do_not_depend_on_m(operands):
                                atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("shape", [(16, 32, 32, 4, 2), (64, 16, 16, 4, 3), (32, 64, 64, 8, 4)])
+def test_another_launch_shape_on_the_same_k_chunks_keeps_every_bit(operands, shape):
+    """What lets a table's by_m rules give decode steps other tiles: BM, BN, BK, warps and stages
+    move no bit, only k_split does (the control below). The interpreter's dot steps K one element
+    at a time, the H200's MMA 16 at a time; the GPU's bits: scripts/gpu_gemm_decode_tiles.py."""
+    x, w, b = operands
+    bm, bn, bk, warps, stages = shape
+    other = triton_gemm.GemmTile(bm, bn, bk, num_warps=warps, num_stages=stages, k_split=4)
+    ref = _gemm(x, w, b, "serial")
+    for schedule in ("serial", "split"):
+        for m in (1, 3, 70):
+            assert count_bit_differences(ref[:m], _gemm(x[:m], w, b, schedule, other)) == 0, (
+                schedule, m)
+
+
 def test_negative_control_another_k_split_changes_the_bits(operands):
     x, w, b = operands
     two = triton_gemm.GemmTile(32, 32, 32, num_warps=4, num_stages=2, k_split=2)
@@ -85,7 +100,7 @@ def members():
 @pytest.fixture()
 def one_tile(monkeypatch):
     """Every member on TILE, as the tuned table gives q/k/v and gate/up one tile each."""
-    monkeypatch.setattr(triton_gemm, "tile_for", lambda n, k, dtype: TILE)
+    monkeypatch.setattr(triton_gemm, "tile_for", lambda n, k, dtype, m=None: TILE)
 
 
 @pytest.mark.parametrize("count", [2, 3])
@@ -124,7 +139,9 @@ def test_group_tile_falls_back_when_members_cannot_share_a_launch(operands, memb
     # bf16: the tuned table gives q/k/v (4096 and 1024 wide at K = 4096) and gate/up one tile.
     xb = torch.zeros(1, 4096, dtype=torch.bfloat16)
     qkv = [torch.zeros(4096, n, dtype=torch.bfloat16) for n in (4096, 1024, 1024)]
-    assert triton_gemm.group_tile(xb, qkv, None) == triton_gemm.tile_for(4096, 4096, "bf16")
+    assert triton_gemm.group_tile(xb, qkv, None) == triton_gemm.tile_for(4096, 4096, "bf16", 1)
+    x65 = torch.zeros(65, 4096, dtype=torch.bfloat16)  # past the decode launch shapes (by_m)
+    assert triton_gemm.group_tile(x65, qkv, None) == triton_gemm.tile_for(4096, 4096, "bf16")
     mixed = [torch.zeros(4096, n, dtype=torch.bfloat16) for n in (4096, 14336)]
     assert triton_gemm.group_tile(xb, mixed, None) is None
     # ...and then the grouped call is one launch per member, still the members' own bits.

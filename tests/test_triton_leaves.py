@@ -74,12 +74,26 @@ def test_every_triton_leaf_matches_its_familys_signature():
         REGISTRY.check_signature(family, name, TRITON_IMPLS[(family, name)], fn)
 
 
-def test_tile_is_a_function_of_static_shape_only():
-    assert list(inspect.signature(triton_gemm.tile_for).parameters) == ["n", "k", "dtype"]
+def test_only_the_launch_shape_may_follow_m_never_the_k_chunks():
+    """A row's bits come from k_split (the K chunks); by_m may change the rest for small M (the
+    H200 measured those launch shapes bit-identical: scripts/gpu_gemm_decode_tiles.py)."""
+    assert list(inspect.signature(triton_gemm.tile_for).parameters) == ["n", "k", "dtype", "m"]
     tables = triton_gemm_tiles.TILES
+    assert tables.by_m, "the Llama-3-8B table gives decode steps their own launch shape"
+    for (n, k, d), tile in tables.tuned().items():
+        for m in (1, 16, 64, 65, 256, 4096):
+            assert tables.tile_for(n, k, d, m).k_split == tile.k_split, (n, k, d, m)
+    assert triton_gemm.tile_for(4096, 4096, "bf16", 16) != triton_gemm.tile_for(4096, 4096, "bf16")
+    assert triton_gemm.tile_for(4096, 4096, "bf16", 65) == triton_gemm.tile_for(4096, 4096, "bf16")
+    # q/k/v (and gate/up) keep one launch shape at every M, so they stay one grouped launch.
+    for m in (1, 64, 65):
+        assert (triton_gemm.tile_for(4096, 4096, "bf16", m)
+                == triton_gemm.tile_for(1024, 4096, "bf16", m)), m
     bf16 = [t for (_, _, d), t in tables.tuned().items() if d == "bf16"]
+    bf16 += [t for rules in tables.by_m.values() for _, t in rules]
     for t in bf16 + [tile for _, tile in tables.defaults["bf16"]]:
-        # bf16 tiles stay on the wgmma path (BM >= 64) and use power-of-two blocks.
+        # bf16 tiles stay on the wgmma path (BM >= 64, the shapes measured) and use power-of-two
+        # blocks.
         assert t.block_m >= 64, t
         for v in (t.block_m, t.block_n, t.block_k):
             assert v & (v - 1) == 0, t
@@ -146,7 +160,33 @@ def test_tables_may_repeat_an_entry_but_never_disagree(tmp_path):
            "table 'two' BM64xBN64xBK64 g8 w4 s4" in str(info.value), str(info.value)
 
 
+def test_by_m_rules_pick_a_launch_shape_by_m(tmp_path):
+    entry = {"dtype": "bf16", "n": 256, "k": 512, "tile": "b",
+             "by_m": [{"max_m": 16, "tile": "c"}, {"max_m": 64, "tile": "d"}]}
+    tiles = {"a": TILE, "b": dict(TILE, k_split=2), "c": dict(TILE, block_m=16, k_split=2),
+             "d": dict(TILE, block_n=32, k_split=2)}
+    t = triton_gemm_tiles.load(_write_tiles(tmp_path, _doc({"t": {"entries": [entry]}}, tiles)))
+    assert [t.tile_for(256, 512, "bf16", m).describe() for m in (1, 16, 17, 64, 65, None)] == [
+        "BM16xBN64xBK64 g8 w4 s4 k2", "BM16xBN64xBK64 g8 w4 s4 k2", "BM64xBN32xBK64 g8 w4 s4 k2",
+        "BM64xBN32xBK64 g8 w4 s4 k2", "BM64xBN64xBK64 g8 w4 s4 k2", "BM64xBN64xBK64 g8 w4 s4 k2"]
+    assert t.tile_for(256, 1024, "bf16", 1).describe() == "BM64xBN64xBK64 g8 w4 s4"  # default
+
+
+def _by_m_doc(rules, dtype="bf16"):
+    return _doc({"t": {"entries": [{"dtype": dtype, "n": 1, "k": 2, "tile": "b", "by_m": rules}]}},
+                defaults={"bf16": [{"min_n": 0, "tile": "a"}], "f32": [{"min_n": 0, "tile": "a"}]})
+
+
 @pytest.mark.parametrize("doc, needle", [
+    (_by_m_doc([{"max_m": 16, "tile": "a"}]),
+     "table 't' entry 0 by_m 0: tile='a' has k_split=1, the entry's tile k_split=2: the K chunks "
+     "are the bits"),
+    (_by_m_doc([{"max_m": 16, "tile": "b"}, {"max_m": 16, "tile": "b"}]),
+     "table 't' entry 0 by_m 1: max_m=16 must be an int above 16"),
+    (_by_m_doc([{"max_m": "16", "tile": "b"}]), "by_m 0: max_m='16' must be an int above 0"),
+    (_by_m_doc({"max_m": 16}), "table 't' entry 0: by_m={'max_m': 16} must be a list"),
+    (_by_m_doc([{"max_m": 16, "tile": "b"}], dtype="f32"),
+     "by_m 0: by_m is measured for bf16 only, not dtype=f32"),
     (_doc({}, tiles={"a": dict(TILE, blockm=64)}), "tile 'a': unknown fields ['blockm']"),
     (_doc({}, tiles={"a": dict(TILE, k_split=2.0)}), "tile 'a': k_split=2.0 must be int"),
     (_doc({"t": {"entries": [{"dtype": "bf16", "n": 1, "k": 2, "tile": "c"}]}}),
