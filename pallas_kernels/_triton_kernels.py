@@ -84,9 +84,15 @@ def _gemm_chunk(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, k_lo,
 def _gemm_tile(x_ptr, w_ptr, bias_ptr, out_ptr, M, pid_m, pid_n, chunk,
                N, K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE_F32: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-               KSPLIT: tl.constexpr, PARTIAL: tl.constexpr, EVEN_N: tl.constexpr):
+               KSPLIT: tl.constexpr, PARTIAL: tl.constexpr, EVEN_N: tl.constexpr,
+               final_ptr=None, sem_ptr=None, tile_id=0, FUSED: tl.constexpr = False):
     """Output tile (pid_m, pid_n) of out[M, N] = x @ w: every chunk and the epilogue (serial), or
-    chunk `chunk`'s f32 sum into out_ptr[chunk, M, N] (split). The one body both GEMM kernels run."""
+    chunk `chunk`'s f32 sum into out_ptr[chunk, M, N] (split). The one body the GEMM kernels run.
+
+    FUSED (split only): the reduce runs here instead of in gemm_reduce_kernel. Each program stores
+    its chunk, then counts itself in sem_ptr[tile_id] (zeroed before the launch); the program that
+    arrives last adds the tile's KSPLIT chunks in order -- the reduce kernel's operations on the
+    same values -- and writes final_ptr. One launch instead of two."""
     # 64-bit arithmetic only in the scalar tile base; in-tile offsets stay 32-bit (fewer registers).
     x_ptr += pid_m.to(tl.int64) * (BM * K)
     rows_here = M - pid_m * BM
@@ -98,8 +104,28 @@ def _gemm_tile(x_ptr, w_ptr, bias_ptr, out_ptr, M, pid_m, pid_n, chunk,
     if PARTIAL:
         acc = _gemm_chunk(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, chunk * KC, N, K, KC,
                           IEEE_F32, BM, BN, BK, EVEN_N)
-        part = out_ptr + chunk.to(tl.int64) * M * N + pid_m.to(tl.int64) * (BM * N)
-        tl.store(part + rm[:, None] * N + offs_n[None, :], acc, mask=row_ok & col_ok)
+        tile_base = out_ptr + pid_m.to(tl.int64) * (BM * N)
+        in_tile = rm[:, None] * N + offs_n[None, :]
+        tl.store(tile_base + chunk.to(tl.int64) * M * N + in_tile, acc, mask=row_ok & col_ok)
+        if FUSED:
+            # Every thread's store happens before the count (barrier), the count releases them
+            # to the GPU and the last program's count acquires every other program's.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(sem_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+            if arrived == KSPLIT - 1:
+                # M * N in 64 bits; M may arrive as the constant 1 (jax-triton specializes it).
+                chunk_elems = (chunk * 0 + M).to(tl.int64) * N
+                total = tl.load(tile_base + in_tile, mask=row_ok & col_ok, other=0.0,
+                                cache_modifier=".cg")
+                for c in tl.static_range(1, KSPLIT):
+                    total = total + tl.load(tile_base + c * chunk_elems + in_tile,
+                                            mask=row_ok & col_ok, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+                    total = total + bias[None, :]
+                final_ptr += pid_m.to(tl.int64) * (BM * N)
+                tl.store(final_ptr + in_tile, total.to(final_ptr.dtype.element_ty),
+                         mask=row_ok & col_ok)
     else:
         acc = _gemm_chunk(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, 0, N, K, KC, IEEE_F32,
                           BM, BN, BK, EVEN_N)
@@ -149,6 +175,37 @@ def fixed_tile_gemm_kernel(
 
 
 @triton.jit(do_not_specialize=["M"])
+def fixed_tile_gemm_fused_kernel(
+    x_ptr, w_ptr, bias_ptr, M, part_ptr, out_ptr, sem_ptr,
+    N: tl.constexpr, K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE_F32: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    KSPLIT: tl.constexpr,
+):
+    """fixed_tile_gemm_kernel's split schedule with its reduce inside (a tile's `fused_reduce`):
+    chunks to part_ptr[KSPLIT, M, N], the last of a tile's KSPLIT programs adds them in order into
+    out_ptr; sem_ptr: one zeroed int32 per output tile. The same operations, so the same bits."""
+    num_pid_n: tl.constexpr = (N + BN - 1) // BN
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, num_pid_n, BM, GROUP_M)
+    EVEN_N: tl.constexpr = N % BN == 0
+    _gemm_tile(x_ptr, w_ptr, bias_ptr, part_ptr, M, pid_m, pid_n, tl.program_id(1), N, K,
+               HAS_BIAS, IEEE_F32, BM, BN, BK, KSPLIT, True, EVEN_N,
+               out_ptr, sem_ptr, pid_m * num_pid_n + pid_n, True)
+
+
+@triton.jit
+def _member(pid_n, T0: tl.constexpr, T1: tl.constexpr, N0: tl.constexpr, N1: tl.constexpr,
+            N2: tl.constexpr, p0, p1, p2):
+    """Of a grouped launch's column tile pid_n: its member's N, its first column tile, and the
+    member's pointer among (p0, p1, p2) (selected, not branched on: one K loop per program)."""
+    in1 = pid_n >= T0
+    in2 = pid_n >= T0 + T1
+    n = tl.where(in2, N2, tl.where(in1, N1, N0))
+    first = tl.where(in2, T0 + T1, tl.where(in1, T0, 0))
+    return n, first, tl.where(in2, p2, tl.where(in1, p1, p0))
+
+
+@triton.jit(do_not_specialize=["M"])
 def grouped_gemm_kernel(
     x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, M, out0_ptr, out1_ptr, out2_ptr,
     N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, K: tl.constexpr,
@@ -169,15 +226,36 @@ def grouped_gemm_kernel(
     T1: tl.constexpr = (N1 + BN - 1) // BN
     T2: tl.constexpr = (N2 + BN - 1) // BN
     pid_m, pid_n = _tile_of(tl.program_id(0), M, T0 + T1 + T2, BM, GROUP_M)
-    in1 = pid_n >= T0
-    in2 = pid_n >= T0 + T1
-    w_ptr = tl.where(in2, w2_ptr, tl.where(in1, w1_ptr, w0_ptr))
-    b_ptr = tl.where(in2, b2_ptr, tl.where(in1, b1_ptr, b0_ptr))
-    out_ptr = tl.where(in2, out2_ptr, tl.where(in1, out1_ptr, out0_ptr))
-    n = tl.where(in2, N2, tl.where(in1, N1, N0))
-    first = tl.where(in2, T0 + T1, tl.where(in1, T0, 0))
+    n, first, w_ptr = _member(pid_n, T0, T1, N0, N1, N2, w0_ptr, w1_ptr, w2_ptr)
+    b_ptr = _member(pid_n, T0, T1, N0, N1, N2, b0_ptr, b1_ptr, b2_ptr)[2]
+    out_ptr = _member(pid_n, T0, T1, N0, N1, N2, out0_ptr, out1_ptr, out2_ptr)[2]
     _gemm_tile(x_ptr, w_ptr, b_ptr, out_ptr, M, pid_m, pid_n - first, tl.program_id(1), n, K,
                HAS_BIAS, IEEE_F32, BM, BN, BK, KSPLIT, PARTIAL, EVEN_N)
+
+
+@triton.jit(do_not_specialize=["M"])
+def grouped_gemm_fused_kernel(
+    x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, M,
+    p0_ptr, p1_ptr, p2_ptr, out0_ptr, out1_ptr, out2_ptr, sem_ptr,
+    N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE_F32: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    KSPLIT: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """grouped_gemm_kernel's split schedule with the reduce inside (fixed_tile_gemm_fused_kernel's
+    scheme per member): chunks to p_i[KSPLIT, M, N_i], the sums to out_i; sem_ptr: one zeroed
+    int32 per (row tile, column tile of the whole group)."""
+    T0: tl.constexpr = (N0 + BN - 1) // BN
+    T1: tl.constexpr = (N1 + BN - 1) // BN
+    T2: tl.constexpr = (N2 + BN - 1) // BN
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, T0 + T1 + T2, BM, GROUP_M)
+    n, first, w_ptr = _member(pid_n, T0, T1, N0, N1, N2, w0_ptr, w1_ptr, w2_ptr)
+    b_ptr = _member(pid_n, T0, T1, N0, N1, N2, b0_ptr, b1_ptr, b2_ptr)[2]
+    p_ptr = _member(pid_n, T0, T1, N0, N1, N2, p0_ptr, p1_ptr, p2_ptr)[2]
+    out_ptr = _member(pid_n, T0, T1, N0, N1, N2, out0_ptr, out1_ptr, out2_ptr)[2]
+    _gemm_tile(x_ptr, w_ptr, b_ptr, p_ptr, M, pid_m, pid_n - first, tl.program_id(1), n, K,
+               HAS_BIAS, IEEE_F32, BM, BN, BK, KSPLIT, True, EVEN_N,
+               out_ptr, sem_ptr, pid_m * (T0 + T1 + T2) + pid_n, True)
 
 
 @triton.jit(do_not_specialize=["M"])

@@ -156,14 +156,16 @@ def _register_ffi_lowering(jt) -> None:
 
 
 def jax_launch(kernel, inputs: Sequence[Any], out_shapes, grid, *, num_warps: int,
-               num_stages: int, enable_fp_fusion: bool = True, **constexprs):
+               num_stages: int, enable_fp_fusion: bool = True, zeroed_outputs: Sequence[int] = (),
+               **constexprs):
     """Launch `kernel` from JAX. `inputs` are arrays then Python scalars, in kernel order.
-    enable_fp_fusion=False: no mul+add contraction (LLVM contract off, ptxas --fmad=false)."""
+    enable_fp_fusion=False: no mul+add contraction (LLVM contract off, ptxas --fmad=false).
+    zeroed_outputs: indices of outputs set to zero before the launch (in the same custom call)."""
     jt = import_jax_triton()
     _register_ffi_lowering(jt)
     return jt.triton_call(*inputs, kernel=kernel, out_shape=out_shapes, grid=grid,
                           num_warps=num_warps, num_stages=num_stages,
-                          enable_fp_fusion=enable_fp_fusion,
+                          enable_fp_fusion=enable_fp_fusion, zeroed_outputs=tuple(zeroed_outputs),
                           custom_call_target_name=custom_call_target(), **constexprs)
 
 

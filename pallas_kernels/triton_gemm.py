@@ -13,7 +13,8 @@ changes how many tiles are launched. The launch shape (BM, BN, BK, warps, stages
 same K chunks gave 0 differing f32 outputs (scripts/gpu_gemm_decode_tiles.py).
 
 Two schedules compute exactly that: `serial` (one program per output tile does every chunk) and
-`split` (one program per tile and chunk, then gemm_reduce_kernel). Small M has too few output tiles
+`split` (one program per tile and chunk, then gemm_reduce_kernel -- or, for a tile with
+`fused_reduce`, the tile's last program adds the chunks in the same order inside the one launch). Small M has too few output tiles
 to fill the GPU, so it takes `split`; tiles with `split_at_every_m` take it at every M (their serial
 form is slow at k_split 4). The choice depends on M, the bits do not (the row-invariance check in
 scripts/gpu_validate.py compares M = 1, 2, 3, 7 and 64 -- split -- with M = 512 -- serial for the
@@ -92,6 +93,11 @@ def _launches(m, k, n, dtype, bias, tile: GemmTile, schedule: str):
     return ((tiles, tile.k_split), consts), ((cdiv(m * n, REDUCE_BLOCK),), reduce)
 
 
+def _fused(consts: dict) -> dict:
+    """The split kernels' constexprs for their fused-reduce forms (which always split)."""
+    return {k: v for k, v in consts.items() if k != "PARTIAL"}
+
+
 def gemm_triton(x, w, bias=None, *, out_dtype, tile: GemmTile | None = None,
                 schedule: str | None = None):
     """JAX leaf: the fixed-tile kernel through jax-triton (works inside and outside jit)."""
@@ -110,6 +116,11 @@ def gemm_triton(x, w, bias=None, *, out_dtype, tile: GemmTile | None = None,
         return jax_launch(kernels().fixed_tile_gemm_kernel, (x, w, b, m), out, grid, **warps,
                           **consts)
     parts = jax.ShapeDtypeStruct((tile.k_split, m, n), jnp.float32)
+    if tile.fused_reduce:
+        sems = jax.ShapeDtypeStruct((grid[0],), jnp.int32)
+        return jax_launch(kernels().fixed_tile_gemm_fused_kernel, (x, w, b, m),
+                          (parts, out, sems), grid, zeroed_outputs=(2,), **warps,
+                          **_fused(consts))[1]
     parts = jax_launch(kernels().fixed_tile_gemm_kernel, (x, w, b, m), parts, grid, **warps,
                        **consts)
     return jax_launch(kernels().gemm_reduce_kernel, (parts, b, m), out, reduce[0], num_warps=4,
@@ -138,6 +149,11 @@ def gemm_triton_torch(x, w, bias=None, *, out_dtype, tile: GemmTile | None = Non
                      **consts)
         return out
     parts = torch.empty((tile.k_split, m, n), dtype=torch.float32, device=x.device)
+    if tile.fused_reduce:
+        sems = torch.zeros(grid[0], dtype=torch.int32, device=x.device)
+        torch_launch(kernels().fixed_tile_gemm_fused_kernel, (x, w, b, m), (parts, out, sems),
+                     grid, **warps, **_fused(consts))
+        return out
     torch_launch(kernels().fixed_tile_gemm_kernel, (x, w, b, m), (parts,), grid, **warps, **consts)
     torch_launch(kernels().gemm_reduce_kernel, (parts, b, m), (out,), reduce[0], num_warps=4,
                  num_stages=1, **reduce[1])
@@ -181,7 +197,8 @@ def _pad3(items, filler):
 
 def gemm_group_triton(x, ws, biases=None, *, out_dtype, schedule: str | None = None,
                       tile: GemmTile | None = None):
-    """JAX: (x @ w_i (+ b_i) for each w_i) in one launch (+ one reduce), each output bit-identical
+    """JAX: (x @ w_i (+ b_i) for each w_i) in one launch (+ one reduce, unless the tile fuses it),
+    each output bit-identical
     to gemm_triton(x, w_i, b_i): the same tile body with the same tile (group_tile; `tile` forces
     one, for experiments). Members that cannot share a tile run one gemm_triton each."""
     for i, w in enumerate(ws):
@@ -210,6 +227,12 @@ def gemm_group_triton(x, ws, biases=None, *, out_dtype, schedule: str | None = N
         return tuple(res[:len(ns)])
     parts = _pad3([jax.ShapeDtypeStruct((tile.k_split, m, n), jnp.float32) for n in ns],
                   unused_part)
+    if tile.fused_reduce:
+        sems = jax.ShapeDtypeStruct((grid[0],), jnp.int32)
+        res = jax_launch(kernels().grouped_gemm_fused_kernel, (x, *w3, *b3, m),
+                         (*parts, *outs, sems), grid, zeroed_outputs=(6,), **warps,
+                         **_fused(consts))
+        return tuple(res[3:3 + len(ns)])
     parts = jax_launch(kernels().grouped_gemm_kernel, (x, *w3, *b3, m), parts, grid, **warps,
                        **consts)
     res = jax_launch(kernels().grouped_reduce_kernel, (*parts, *b3, m), outs, reduce[0],
@@ -251,6 +274,12 @@ def gemm_group_triton_torch(x, ws, biases=None, *, out_dtype, schedule: str | No
                      **warps, **consts)
         return tuple(outs)
     parts = [torch.empty((tile.k_split, m, n), dtype=torch.float32, device=x.device) for n in ns]
+    if tile.fused_reduce:
+        sems = torch.zeros(grid[0], dtype=torch.int32, device=x.device)
+        torch_launch(kernels().grouped_gemm_fused_kernel, (x, *w3, *b3, m),
+                     (*_pad3(parts, unused_part), *_pad3(outs, unused), sems), grid, **warps,
+                     **_fused(consts))
+        return tuple(outs)
     torch_launch(kernels().grouped_gemm_kernel, (x, *w3, *b3, m), _pad3(parts, unused_part), grid,
                  **warps, **consts)
     torch_launch(kernels().grouped_reduce_kernel, (*_pad3(parts, unused_part), *b3, m),

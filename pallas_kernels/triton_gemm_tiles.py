@@ -48,12 +48,17 @@ class GemmTile:
     # keeps the running sum and the current chunk's accumulator live together; at k_split 4 that
     # measured 2-2.5x slower than split + reduce at M = 4096 on the H200 (docs/performance.md).
     split_at_every_m: bool = False
+    # The split schedule's reduce inside the GEMM launch (the last program of a tile adds its
+    # chunks, in the same order): one launch instead of two, for decode steps where a launch's
+    # host and device overhead is a share of the step.
+    fused_reduce: bool = False
 
     def describe(self) -> str:
         split = f" k{self.k_split}" if self.k_split > 1 else ""
         always = " split-always" if self.split_at_every_m and self.k_split > 1 else ""
+        fused = " fused" if self.fused_reduce and self.k_split > 1 else ""
         return (f"BM{self.block_m}xBN{self.block_n}xBK{self.block_k} g{self.group_m} "
-                f"w{self.num_warps} s{self.num_stages}{split}{always}")
+                f"w{self.num_warps} s{self.num_stages}{split}{always}{fused}")
 
 
 class TileTableError(ValueError):
@@ -104,7 +109,7 @@ def _tile(name: str, spec) -> GemmTile:
     if unknown:
         raise TileTableError(f"tile {name!r}: unknown fields {unknown} (known: {sorted(fields)})")
     for key, value in values.items():
-        want = bool if key == "split_at_every_m" else int
+        want = bool if key in ("split_at_every_m", "fused_reduce") else int
         if type(value) is not want:
             raise TileTableError(f"tile {name!r}: {key}={value!r} must be {want.__name__}")
     try:

@@ -11,7 +11,9 @@
 #                  graphs) and with them off (--xla_gpu_enable_command_buffer=): blocked,
 #                  pipelined and dispatch ms
 #   bench_model_rl_decode  rl-bitwise decode rows (bs 1 / 64, ctx 1024) only; with _noby_m the same
-#                  with the tile file's by_m launch shapes taken out (restored after)
+#                  with the tile file's by_m launch shapes taken out (restored after); with
+#                  _nofuse with its tiles' fused_reduce switched off
+#   profile_bs1_rl the rl-bitwise half of profile_bs1
 #   gemm_decode_tiles scripts/gpu_gemm_decode_tiles.py: other Triton GEMM tiles with the contract
 #                  tile's K schedule at decode M: bits vs the contract tile, device µs per GEMM
 #   gemm_decode_tiles_big_m  the by_m picks vs the entry's tile at M = 64 / 128 / 256 (timings)
@@ -182,6 +184,7 @@ for s in "$@"; do
     profile)
       step profile_auto 150 python3 scripts/gpu_profile_step.py --numerics auto --batch 64 --out "$out"
       step profile_rl 150 python3 scripts/gpu_profile_step.py --numerics rl-bitwise --batch 64 --out "$out" ;;
+    profile_bs1_rl) step profile_bs1_rl 100 python3 scripts/gpu_profile_step.py --numerics rl-bitwise --batch 1 --out "$out" ;;
     profile_bs1)
       step profile_bs1_auto 100 python3 scripts/gpu_profile_step.py --numerics auto --batch 1 --out "$out"
       step profile_bs1_rl 100 python3 scripts/gpu_profile_step.py --numerics rl-bitwise --batch 1 --out "$out" ;;
@@ -196,6 +199,11 @@ for s in "$@"; do
       cp pallas_kernels/triton_gemm_tiles.json /tmp/tiles.json.bak
       python3 -c "import json; p = 'pallas_kernels/triton_gemm_tiles.json'; d = json.load(open(p)); [e.pop('by_m', None) for t in d['tables'].values() for e in t['entries']]; json.dump(d, open(p, 'w'))"
       step bench_model_rl_decode_noby_m 200 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 190 --out "$out/bench_model_rl_decode_noby_m"
+      cp /tmp/tiles.json.bak pallas_kernels/triton_gemm_tiles.json ;;
+    bench_model_rl_decode_nofuse)  # the same rows with the tile file's fused_reduce switched off
+      cp pallas_kernels/triton_gemm_tiles.json /tmp/tiles.json.bak
+      python3 -c "import json; p = 'pallas_kernels/triton_gemm_tiles.json'; d = json.load(open(p)); [t.update(fused_reduce=False) for t in d['tiles'].values() if 'fused_reduce' in t]; json.dump(d, open(p, 'w'))"
+      step bench_model_rl_decode_nofuse 200 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 190 --out "$out/bench_model_rl_decode_nofuse"
       cp /tmp/tiles.json.bak pallas_kernels/triton_gemm_tiles.json ;;
     bench_model_rl) step bench_model_rl 200 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 256 --part-timeout 190 --out "$out/bench_model_rl" ;;
     bench_leaves) step bench_leaves 560 python3 -m jengine.cli bench --parts roofline leaves --iters 5 --part-timeout 120 leaves=420 --out "$out/bench_leaves" ;;

@@ -27,7 +27,9 @@ def _compile(fn, args: dict, consts: dict, num_warps: int, num_stages: int,
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    signature = dict(args, **{name: "constexpr" for name in consts})
+    # In the kernel's parameter order (the constexprs' indices are positions): a scalar given in
+    # `consts` is specialized, as jax-triton specializes a scalar argument equal to 1.
+    signature = {name: args.get(name, "constexpr") for name in fn.arg_names}
     names = list(signature)
     # Array arguments 16-byte aligned, as jax-triton declares every array (XLA's buffers are) and
     # Triton's launcher finds torch's: without it Triton cannot use async copies, does not
@@ -76,6 +78,26 @@ def gemm_kernels():
                               EVEN_N=all(m % tile.block_n == 0 for m in members))
                 # grouped_gemm_kernel's constexpr order: N0 N1 N2 K HAS_BIAS ... PARTIAL EVEN_N
                 yield label, K.grouped_gemm_kernel, args, consts, tile
+            if partial and tile.fused_reduce:  # the split schedule with its reduce inside
+                fused = {key: v for key, v in common.items() if key != "PARTIAL"}
+                if len(members) == 1:
+                    args = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", M="i32",
+                                part_ptr="*fp32", out_ptr="*bf16", sem_ptr="*i32")
+                    yield (label + " fused", K.fixed_tile_gemm_fused_kernel, args,
+                           dict(N=n, **fused), tile)
+                    # M = 1 arrives as a constant from jax-triton (it specializes scalars of 1).
+                    yield (label + " fused M=1", K.fixed_tile_gemm_fused_kernel,
+                           {a: t for a, t in args.items() if a != "M"}, dict(N=n, M=1, **fused),
+                           tile)
+                else:
+                    args = {**{p: "*bf16" for p in ("x_ptr", "w0_ptr", "w1_ptr", "w2_ptr",
+                                                   "b0_ptr", "b1_ptr", "b2_ptr")}, "M": "i32",
+                            **{p: "*fp32" for p in ("p0_ptr", "p1_ptr", "p2_ptr")},
+                            **{p: "*bf16" for p in ("out0_ptr", "out1_ptr", "out2_ptr")},
+                            "sem_ptr": "*i32"}
+                    consts = dict(N0=n0, N1=n1, N2=n2, **fused,
+                                  EVEN_N=all(m % tile.block_n == 0 for m in members))
+                    yield label + " fused", K.grouped_gemm_fused_kernel, args, consts, tile
             if partial and len(members) > 1:
                 args = {**{p: "*fp32" for p in ("p0_ptr", "p1_ptr", "p2_ptr")},
                         **{p: "*bf16" for p in ("b0_ptr", "b1_ptr", "b2_ptr")}, "M": "i32",

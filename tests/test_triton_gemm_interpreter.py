@@ -64,6 +64,45 @@ def test_another_launch_shape_on_the_same_k_chunks_keeps_every_bit(operands, sha
                 schedule, m)
 
 
+def test_the_fused_reduce_keeps_every_bit(operands, members):
+    """A tile's fused_reduce: the last of a tile's chunk programs adds the chunks (a counter per
+    output tile) instead of gemm_reduce_kernel -- the same additions in the same order."""
+    import dataclasses
+
+    x, w, b = operands
+    fused = dataclasses.replace(TILE, fused_reduce=True)
+    for bias in (None, b):
+        ref = _gemm(x, w, bias, "split")
+        for m in (1, 33, 70):
+            assert count_bit_differences(ref[:m], _gemm(x[:m], w, bias, "split", fused)) == 0, m
+    ws, bs = members
+    for biases in (None, bs):
+        outs = triton_gemm.gemm_group_triton_torch(x[:33], ws, biases, out_dtype="f32", tile=fused,
+                                                   schedule="split")
+        for i, wi in enumerate(ws):
+            alone = _gemm(x[:33], wi, None if biases is None else biases[i], "split")
+            assert count_bit_differences(alone, outs[i].numpy()) == 0, i
+
+
+def test_the_fused_reduce_negative_control_a_counter_one_ahead_differs(operands):
+    """The check above can fail: with every counter starting at 1 instead of 0, a tile's next-to-
+    last program already adds the chunks, one of them not yet stored, and its outputs differ."""
+    import dataclasses
+
+    x, w, _ = operands
+    fused = dataclasses.replace(TILE, fused_reduce=True)
+    m, k = x.shape
+    n = w.shape[1]
+    (grid, consts), _ = triton_gemm._launches(m, k, n, x.dtype, None, fused, "split")
+    parts = torch.zeros((fused.k_split, m, n), dtype=torch.float32)
+    out = torch.zeros((m, n), dtype=torch.float32)
+    sems = torch.ones(grid[0], dtype=torch.int32)
+    triton_gemm.torch_launch(triton_gemm.kernels().fixed_tile_gemm_fused_kernel, (x, w, w, m),
+                             (parts, out, sems), grid, num_warps=4, num_stages=2,
+                             **triton_gemm._fused(consts))
+    assert count_bit_differences(_gemm(x, w, None, "split"), out.numpy()) > 0
+
+
 def test_negative_control_another_k_split_changes_the_bits(operands):
     x, w, b = operands
     two = triton_gemm.GemmTile(32, 32, 32, num_warps=4, num_stages=2, k_split=2)

@@ -120,11 +120,13 @@ def test_the_tile_tables_give_exactly_the_tiles_of_before():
     import jax.numpy as jnp
 
     names = [f.name for f in dataclasses.fields(triton_gemm.GemmTile)]
+    names.remove("fused_reduce")  # later than the tiles of before, and off in every entry's tile
     for dtype, expected in TILES_BEFORE.items():
         for dt in (dtype, jnp.bfloat16 if dtype == "bf16" else jnp.float32):
             for (n, k), fields in expected.items():
                 got = triton_gemm.tile_for(n, k, dt)
                 assert {f: getattr(got, f) for f in names} == dict(zip(names, fields)), (n, k, dt)
+                assert not got.fused_reduce, (n, k, dt)
     assert sorted(triton_gemm_tiles.TILES.tuned()) == sorted(
         (n, k, "bf16") for n, k in [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)])
     with pytest.raises(ValueError, match="dtype=f16 has no default tile"):
@@ -189,6 +191,7 @@ def _by_m_doc(rules, dtype="bf16"):
      "by_m 0: by_m is measured for bf16 only, not dtype=f32"),
     (_doc({}, tiles={"a": dict(TILE, blockm=64)}), "tile 'a': unknown fields ['blockm']"),
     (_doc({}, tiles={"a": dict(TILE, k_split=2.0)}), "tile 'a': k_split=2.0 must be int"),
+    (_doc({}, tiles={"a": dict(TILE, fused_reduce=1)}), "tile 'a': fused_reduce=1 must be bool"),
     (_doc({"t": {"entries": [{"dtype": "bf16", "n": 1, "k": 2, "tile": "c"}]}}),
      "table 't' entry 0: tile='c' is not one of the named tiles ['a', 'b']"),
     (_doc({"t": {"entries": [{"dtype": "bf16", "n": 1, "tile": "a"}]}}),
