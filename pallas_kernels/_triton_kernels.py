@@ -113,8 +113,9 @@ def _gemm_tile(x_ptr, w_ptr, bias_ptr, out_ptr, M, pid_m, pid_n, chunk,
             tl.debug_barrier()
             arrived = tl.atomic_add(sem_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
             if arrived == KSPLIT - 1:
-                # M * N in 64 bits; M may arrive as the constant 1 (jax-triton specializes it).
-                chunk_elems = (chunk * 0 + M).to(tl.int64) * N
+                # M * N in 64 bits (tl.cast: M may arrive as the constant 1, jax-triton
+                # specializes it, and a constant has no .to).
+                chunk_elems = tl.cast(M, tl.int64) * N
                 total = tl.load(tile_base + in_tile, mask=row_ok & col_ok, other=0.0,
                                 cache_modifier=".cg")
                 for c in tl.static_range(1, KSPLIT):
@@ -194,15 +195,27 @@ def fixed_tile_gemm_fused_kernel(
 
 
 @triton.jit
-def _member(pid_n, T0: tl.constexpr, T1: tl.constexpr, N0: tl.constexpr, N1: tl.constexpr,
-            N2: tl.constexpr, p0, p1, p2):
-    """Of a grouped launch's column tile pid_n: its member's N, its first column tile, and the
-    member's pointer among (p0, p1, p2) (selected, not branched on: one K loop per program)."""
+def _group_program(M, N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """A grouped launch's program (members' column tiles side by side): its row tile, its column
+    tile within its member, its member (in1, in2: for `_pick`), that member's N, and the output
+    tile's index over the whole group (a fused reduce's counter)."""
+    T0: tl.constexpr = (N0 + BN - 1) // BN
+    T1: tl.constexpr = (N1 + BN - 1) // BN
+    T2: tl.constexpr = (N2 + BN - 1) // BN
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, T0 + T1 + T2, BM, GROUP_M)
     in1 = pid_n >= T0
     in2 = pid_n >= T0 + T1
     n = tl.where(in2, N2, tl.where(in1, N1, N0))
     first = tl.where(in2, T0 + T1, tl.where(in1, T0, 0))
-    return n, first, tl.where(in2, p2, tl.where(in1, p1, p0))
+    return pid_m, pid_n - first, in1, in2, n, pid_m * (T0 + T1 + T2) + pid_n
+
+
+@triton.jit
+def _pick(in1, in2, p0, p1, p2):
+    """The member's pointer among (p0, p1, p2): selected, not branched on (one K loop per
+    program)."""
+    return tl.where(in2, p2, tl.where(in1, p1, p0))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -222,15 +235,11 @@ def grouped_gemm_kernel(
     gave each member its own pipeline buffers (2 x 144 KiB of shared memory, over the H200's
     227 KiB). N2 = 0: two members (out2 unused). EVEN_N: every member's N is a multiple of BN.
     """
-    T0: tl.constexpr = (N0 + BN - 1) // BN
-    T1: tl.constexpr = (N1 + BN - 1) // BN
-    T2: tl.constexpr = (N2 + BN - 1) // BN
-    pid_m, pid_n = _tile_of(tl.program_id(0), M, T0 + T1 + T2, BM, GROUP_M)
-    n, first, w_ptr = _member(pid_n, T0, T1, N0, N1, N2, w0_ptr, w1_ptr, w2_ptr)
-    b_ptr = _member(pid_n, T0, T1, N0, N1, N2, b0_ptr, b1_ptr, b2_ptr)[2]
-    out_ptr = _member(pid_n, T0, T1, N0, N1, N2, out0_ptr, out1_ptr, out2_ptr)[2]
-    _gemm_tile(x_ptr, w_ptr, b_ptr, out_ptr, M, pid_m, pid_n - first, tl.program_id(1), n, K,
-               HAS_BIAS, IEEE_F32, BM, BN, BK, KSPLIT, PARTIAL, EVEN_N)
+    pid_m, pid_n, in1, in2, n, _ = _group_program(M, N0, N1, N2, BM, BN, GROUP_M)
+    _gemm_tile(x_ptr, _pick(in1, in2, w0_ptr, w1_ptr, w2_ptr),
+               _pick(in1, in2, b0_ptr, b1_ptr, b2_ptr),
+               _pick(in1, in2, out0_ptr, out1_ptr, out2_ptr), M, pid_m, pid_n, tl.program_id(1), n,
+               K, HAS_BIAS, IEEE_F32, BM, BN, BK, KSPLIT, PARTIAL, EVEN_N)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -245,17 +254,11 @@ def grouped_gemm_fused_kernel(
     """grouped_gemm_kernel's split schedule with the reduce inside (fixed_tile_gemm_fused_kernel's
     scheme per member): chunks to p_i[KSPLIT, M, N_i], the sums to out_i; sem_ptr: one zeroed
     int32 per (row tile, column tile of the whole group)."""
-    T0: tl.constexpr = (N0 + BN - 1) // BN
-    T1: tl.constexpr = (N1 + BN - 1) // BN
-    T2: tl.constexpr = (N2 + BN - 1) // BN
-    pid_m, pid_n = _tile_of(tl.program_id(0), M, T0 + T1 + T2, BM, GROUP_M)
-    n, first, w_ptr = _member(pid_n, T0, T1, N0, N1, N2, w0_ptr, w1_ptr, w2_ptr)
-    b_ptr = _member(pid_n, T0, T1, N0, N1, N2, b0_ptr, b1_ptr, b2_ptr)[2]
-    p_ptr = _member(pid_n, T0, T1, N0, N1, N2, p0_ptr, p1_ptr, p2_ptr)[2]
-    out_ptr = _member(pid_n, T0, T1, N0, N1, N2, out0_ptr, out1_ptr, out2_ptr)[2]
-    _gemm_tile(x_ptr, w_ptr, b_ptr, p_ptr, M, pid_m, pid_n - first, tl.program_id(1), n, K,
-               HAS_BIAS, IEEE_F32, BM, BN, BK, KSPLIT, True, EVEN_N,
-               out_ptr, sem_ptr, pid_m * (T0 + T1 + T2) + pid_n, True)
+    pid_m, pid_n, in1, in2, n, tile_id = _group_program(M, N0, N1, N2, BM, BN, GROUP_M)
+    _gemm_tile(x_ptr, _pick(in1, in2, w0_ptr, w1_ptr, w2_ptr),
+               _pick(in1, in2, b0_ptr, b1_ptr, b2_ptr), _pick(in1, in2, p0_ptr, p1_ptr, p2_ptr),
+               M, pid_m, pid_n, tl.program_id(1), n, K, HAS_BIAS, IEEE_F32, BM, BN, BK, KSPLIT,
+               True, EVEN_N, _pick(in1, in2, out0_ptr, out1_ptr, out2_ptr), sem_ptr, tile_id, True)
 
 
 @triton.jit(do_not_specialize=["M"])
