@@ -14,10 +14,11 @@ same K chunks gave 0 differing f32 outputs (scripts/gpu_gemm_decode_tiles.py).
 
 Two schedules compute exactly that: `serial` (one program per output tile does every chunk) and
 `split` (one program per tile and chunk, then gemm_reduce_kernel -- or, for a tile with
-`fused_reduce`, the tile's last program adds the chunks in the same order inside the one launch). Small M has too few output tiles
-to fill the GPU, so it takes `split`; tiles with `split_at_every_m` take it at every M (their serial
-form is slow at k_split 4). The choice depends on M, the bits do not (the row-invariance check in
-scripts/gpu_validate.py compares M = 1, 2, 3, 7 and 64 -- split -- with M = 512 -- serial for the
+`fused_reduce`, the tile's last program adds the chunks in the same order inside the one launch).
+Small M has too few output tiles to fill the GPU, so it takes `split`; tiles with
+`split_at_every_m` take it at every M (their serial form is slow at k_split 4). The choice depends
+on M, the bits do not (the row-invariance check in scripts/gpu_validate.py compares M = 1, 2, 3, 7
+and 64 -- split, on the decode launch shapes -- with M = 512 -- the entry's tile, serial for the
 gate/up tile).
 Measured on the H200 (docs/gpu-validation.md): rows bit-identical across M, and the jax-triton and
 torch launches agree bit for bit.
@@ -198,9 +199,9 @@ def _pad3(items, filler):
 def gemm_group_triton(x, ws, biases=None, *, out_dtype, schedule: str | None = None,
                       tile: GemmTile | None = None):
     """JAX: (x @ w_i (+ b_i) for each w_i) in one launch (+ one reduce, unless the tile fuses it),
-    each output bit-identical
-    to gemm_triton(x, w_i, b_i): the same tile body with the same tile (group_tile; `tile` forces
-    one, for experiments). Members that cannot share a tile run one gemm_triton each."""
+    each output bit-identical to gemm_triton(x, w_i, b_i): the same tile body with the same tile
+    (group_tile; `tile` forces one, for experiments). Members that cannot share a tile run one
+    gemm_triton each."""
     for i, w in enumerate(ws):
         _check(x, w, None if biases is None else biases[i], out_dtype)
     tile = tile or group_tile(x, ws, biases)

@@ -10,10 +10,10 @@ MMA instruction Triton picks (wgmma for BM >= 64 with 4k warps, mma.sync below) 
 K16 step differently. This measures it, on the Llama-3-8B projections in rl-bitwise's path (the
 JAX launch through jax-triton):
 
-  bits    every candidate's output vs the contract tile's (triton_gemm_tiles.json), float bits,
-          f32 outputs (the accumulator before the bf16 rounding, so
-          no difference hides under it), at M = 1, 3, 16, 64, 200 (and the q/k/v and gate/up groups' grouped launches); inputs
-          random with rows scaled 1e-3 .. 1e3 and exact zeros / -0.0 in x. The control: the
+  bits    every candidate's output vs the contract tile's (triton_gemm_tiles.json), float bits
+          of f32 outputs (the accumulator before the bf16 rounding, so no difference hides under
+          it), at M = 1, 3, 16, 64, 200, for each projection and the q/k/v and gate/up grouped
+          launches; inputs random with rows scaled 1e-3 .. 1e3 and exact zeros / -0.0 in x. The control: the
           contract tile with twice the K chunks must differ (the check can fail). BK/2 is a
           candidate too: wgmma steps K 16 at a time, so BK itself may not reach the bits.
   timing  device µs per GEMM at M = 1, 16, 64: a chain over >= 1.5 GiB of distinct weights

@@ -148,6 +148,14 @@ step() {  # step NAME SECONDS CMD...
   local rc=$?
   echo "| $name | rc=$rc | $((SECONDS - t0)) s |" | tee -a "$out/summary.md"
 }
+with_tiles() {  # with_tiles PY CMD...: CMD with the tile file edited by PY (a statement on its
+  # JSON `d`), the file restored after -- an A/B's "before" without a second checkout
+  local tiles=pallas_kernels/triton_gemm_tiles.json edit=$1; shift
+  cp "$tiles" /tmp/tiles.json.bak
+  python3 -c "import json; p = '$tiles'; d = json.load(open(p)); $edit; json.dump(d, open(p, 'w'))"
+  "$@"
+  cp /tmp/tiles.json.bak "$tiles"
+}
 for s in "$@"; do
   case $s in
     attention) step attention 240 python3 scripts/gpu_attention.py --out "$out" ;;
@@ -196,15 +204,11 @@ for s in "$@"; do
     bench_model) step bench_model 420 python3 -m jengine.cli bench --parts roofline model --iters 20 --batch-sizes 1 64 256 --part-timeout 60 model=170 --out "$out/bench_model" ;;
     bench_model_rl_decode) step bench_model_rl_decode 200 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 190 --out "$out/bench_model_rl_decode" ;;
     bench_model_rl_decode_noby_m)  # the same rows with the tile file's by_m rules taken out (an A/B's "before")
-      cp pallas_kernels/triton_gemm_tiles.json /tmp/tiles.json.bak
-      python3 -c "import json; p = 'pallas_kernels/triton_gemm_tiles.json'; d = json.load(open(p)); [e.pop('by_m', None) for t in d['tables'].values() for e in t['entries']]; json.dump(d, open(p, 'w'))"
-      step bench_model_rl_decode_noby_m 200 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 190 --out "$out/bench_model_rl_decode_noby_m"
-      cp /tmp/tiles.json.bak pallas_kernels/triton_gemm_tiles.json ;;
+      with_tiles "[e.pop('by_m', None) for t in d['tables'].values() for e in t['entries']]" \
+        step "$s" 200 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 190 --out "$out/$s" ;;
     bench_model_rl_decode_nofuse)  # the same rows with the tile file's fused_reduce switched off
-      cp pallas_kernels/triton_gemm_tiles.json /tmp/tiles.json.bak
-      python3 -c "import json; p = 'pallas_kernels/triton_gemm_tiles.json'; d = json.load(open(p)); [t.update(fused_reduce=False) for t in d['tiles'].values() if 'fused_reduce' in t]; json.dump(d, open(p, 'w'))"
-      step bench_model_rl_decode_nofuse 200 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 190 --out "$out/bench_model_rl_decode_nofuse"
-      cp /tmp/tiles.json.bak pallas_kernels/triton_gemm_tiles.json ;;
+      with_tiles "[t.update(fused_reduce=False) for t in d['tiles'].values() if 'fused_reduce' in t]" \
+        step "$s" 200 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 190 --out "$out/$s" ;;
     bench_model_rl) step bench_model_rl 200 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 256 --part-timeout 190 --out "$out/bench_model_rl" ;;
     bench_leaves) step bench_leaves 560 python3 -m jengine.cli bench --parts roofline leaves --iters 5 --part-timeout 120 leaves=420 --out "$out/bench_leaves" ;;
     sweep_prefill) step sweep_prefill 200 python3 -m jengine.cli bench --parts leaves --rows 1 64 4096 --iters 5 --leaf-shapes q/o_proj down_proj --tile-candidates 128,128,64,8,8,4,4 128,128,64,8,8,4,2 128,256,64,8,8,3,4 --part-timeout leaves=190 --out "$out/sweep_prefill" ;;

@@ -4,8 +4,9 @@
 One Python process reading 256 SSE streams (httpx, a `json.loads` per event) spent 7-12 s of CPU
 in a 14-20 s run on the H200 host, so in the decode phase it fell behind the server and the run's
 wall time measured the client as much as the server. Each process here runs its share of the
-clients on its own event loop (even with one process, never the caller's); all start on one signal, and the wall time is from the first
-process's start to the last one's end (CLOCK_MONOTONIC, shared by the processes of one machine).
+clients on its own event loop (even with one process, never the caller's); all start on one
+signal, and the wall time is from the first process's start to the last one's end
+(CLOCK_MONOTONIC, shared by the processes of one machine).
 
     python -m jengine.bench.clients     (a child: reads its share as JSON on stdin, prints
                                          "ready", waits for "go", prints its results as JSON)
