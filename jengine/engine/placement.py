@@ -110,24 +110,26 @@ class RunnerPlacement:
                      else jax.device_put(p, replicated) for p in params)
 
     # -- the step ----------------------------------------------------------------------------------
-    def shard_step(self, forward, logits_rows, params: tuple, pool, *, routed: bool):
+    def shard_step(self, forward, logits_rows, params: tuple, head_index: int, pool, *,
+                   routed: bool):
         """The runner's step bodies (forward(params, pool, 4 step inputs) -> (hidden, pool[,
-        routed ids]); logits_rows(params, hidden, rows) -> logits) as one program over every rank
-        each; unchanged without a mesh. The specs are read off the placed arrays, so placement
-        has one source."""
+        routed ids]); logits_rows(params[head_index], hidden, rows) -> logits) as one program over
+        every rank each; unchanged without a mesh. The specs are read off the placed arrays, so
+        placement has one source."""
         if self.mesh is None:
             return forward, logits_rows
         # Leaves see local arrays, never XLA's partitioner. check_vma=False: the leaves' loops
         # (fixed-order GEMM, fori_loop carries) start from unvarying zeros and would each need a
         # pcast; the outputs declared replicated (hidden states, logits) are so by construction:
         # row sums and gathers end every rank's path.
+        head = params[head_index].sharding.spec
         params = tuple(p.sharding.spec for p in params)
         pool = jax.tree.map(lambda a: a.sharding.spec, pool)
         rep = PartitionSpec()
         out_routed = (rep,) if routed else ()  # every rank routes every row
         forward = jax.shard_map(forward, mesh=self.mesh, in_specs=(params, pool) + (rep,) * 4,
                                 out_specs=(rep, pool) + out_routed, check_vma=False)
-        logits_rows = jax.shard_map(logits_rows, mesh=self.mesh, in_specs=(params, rep, rep),
+        logits_rows = jax.shard_map(logits_rows, mesh=self.mesh, in_specs=(head, rep, rep),
                                     out_specs=rep, check_vma=False)
         return forward, logits_rows
 
