@@ -8,7 +8,8 @@ modules import and register nothing.
 
 from pallas_kernels import registry  # noqa: F401
 from pallas_kernels import (activation, attention, gemm, logprobs, mla_attention,  # noqa: F401
-                            moe_grouped_gemm, moe_router, moe_router_grouped, rmsnorm, sampling)
+                            moe_grouped_gemm, moe_router, moe_router_grouped, rmsnorm, rope_write,
+                            sampling)
 from pallas_kernels import (triton_activation, triton_attention, triton_gemm,  # noqa: F401
                             triton_mla_attention, triton_moe_grouped_gemm, triton_norm,
-                            triton_sampling)
+                            triton_rope_write, triton_sampling)

@@ -35,15 +35,25 @@ from triton.language.extra import libdevice
 from pallas_kernels._triton_launch import interpreting
 
 if interpreting():
-    # Triton's interpreter (the CPU tests' logic checks) has no libdevice; numpy's exp stands in.
+    # Triton's interpreter (the CPU tests' logic checks) has no libdevice; numpy's exp and
+    # 1 / sqrt stand in.
     @triton.jit
     def expf(x):
         return tl.exp(x)
+
+    @triton.jit
+    def rsqrtf(x):
+        return tl.rsqrt(x)
 else:
     @triton.jit
     def expf(x):
         """libdevice __nv_expf: the exp torch CUDA and XLA call (tl.exp is ex2.approx)."""
         return libdevice.exp(x)
+
+    @triton.jit
+    def rsqrtf(x):
+        """libdevice __nv_rsqrtf: the function XLA and torch call."""
+        return libdevice.rsqrt(x)
 
 # -- GEMM ------------------------------------------------------------------------------------------
 
@@ -356,9 +366,10 @@ def _rmsnorm_row(xf, w_ptr, offs, ok, eps, H: tl.constexpr, BLOCK: tl.constexpr,
                  LOG2: tl.constexpr, out_ty: tl.constexpr):
     sq = tl.where(ok, xf * xf, 0.0)
     var = tl.math.div_rn(halving_tree_sum(sq, BLOCK, LOG2), H * 1.0)
-    # eps arrives as f32 from both launchers; the cast keeps the sum in f32 even if a host passes
-    # fp64 (jax-triton's type for a Python float).
-    normed = (xf * libdevice.rsqrt(var + eps.to(tl.float32))).to(out_ty)
+    # eps arrives as f32 from both launchers (jax-triton would type a Python float as fp64 and
+    # promote the sum: triton_norm.py passes np.float32). No .to here: under the interpreter a
+    # Python float arrives as itself; the sm_90 PTX is the same as with the cast (compared).
+    normed = (xf * rsqrtf(var + eps)).to(out_ty)
     w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(out_ty)
     return (w.to(tl.float32) * normed.to(tl.float32)).to(out_ty)
 
@@ -389,9 +400,11 @@ def rmsnorm_kernel(x_ptr, w_ptr, eps, out_ptr,
 
 @triton.jit
 def add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, eps, out_ptr, new_res_ptr,
-                       H: tl.constexpr, BLOCK: tl.constexpr, LOG2: tl.constexpr):
-    """Fused layer boundary: total = x + residual in f32 feeds the norm; the rounded total is the
-    new residual stream (pallas_kernels/rmsnorm.add_rmsnorm)."""
+                       H: tl.constexpr, BLOCK: tl.constexpr, LOG2: tl.constexpr,
+                       ROUND_SUM: tl.constexpr):
+    """Fused layer boundary: total = x + residual in f32 feeds the norm (ROUND_SUM: the total
+    rounded to x's dtype does, the bits of a separate add then rmsnorm_kernel); the rounded total
+    is the new residual stream (pallas_kernels/rmsnorm.add_rmsnorm)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < H
@@ -399,6 +412,8 @@ def add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, eps, out_ptr, new_res_ptr,
     r = tl.load(res_ptr + row * H + offs, mask=ok, other=0.0)
     total = x.to(tl.float32) + r.to(tl.float32)
     out_ty: tl.constexpr = x_ptr.dtype.element_ty
+    if ROUND_SUM:
+        total = total.to(out_ty).to(tl.float32)
     y = _rmsnorm_row(total, w_ptr, offs, ok, eps, H, BLOCK, LOG2, out_ty)
     tl.store(out_ptr + row * H + offs, y, mask=ok)
     tl.store(new_res_ptr + row * H + offs, total.to(out_ty), mask=ok)

@@ -157,15 +157,18 @@ def _register_ffi_lowering(jt) -> None:
 
 def jax_launch(kernel, inputs: Sequence[Any], out_shapes, grid, *, num_warps: int,
                num_stages: int, enable_fp_fusion: bool = True, zeroed_outputs: Sequence[int] = (),
-               **constexprs):
+               input_output_aliases: dict[int, int] | None = None, **constexprs):
     """Launch `kernel` from JAX. `inputs` are arrays then Python scalars, in kernel order.
     enable_fp_fusion=False: no mul+add contraction (LLVM contract off, ptxas --fmad=false).
-    zeroed_outputs: indices of outputs set to zero before the launch (in the same custom call)."""
+    zeroed_outputs: indices of outputs set to zero before the launch (in the same custom call).
+    input_output_aliases: {array input index: output index}, an output that is its input's buffer
+    (updated in place where XLA can donate it; the kernel gets both pointers)."""
     jt = import_jax_triton()
     _register_ffi_lowering(jt)
     return jt.triton_call(*inputs, kernel=kernel, out_shape=out_shapes, grid=grid,
                           num_warps=num_warps, num_stages=num_stages,
                           enable_fp_fusion=enable_fp_fusion, zeroed_outputs=tuple(zeroed_outputs),
+                          input_output_aliases=input_output_aliases,
                           custom_call_target_name=custom_call_target(), **constexprs)
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from typing import Iterable
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

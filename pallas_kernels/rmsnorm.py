@@ -25,8 +25,13 @@ def _rmsnorm_signature(x, weight, *, eps):
     """x[M, H] bf16|f32, weight[H] -> [M, H] in x's dtype (the HF form)."""
 
 
-def _add_rmsnorm_signature(x, residual, weight, *, eps):
-    """x, residual [M, H] (x's dtype), weight[H] -> (normed [M, H], new residual [M, H])."""
+def _add_rmsnorm_signature(x, residual, weight, *, eps, round_sum=False):
+    """x, residual [M, H] (x's dtype), weight[H] -> (normed [M, H], new residual [M, H]).
+
+    The new residual is x + residual (an f32 sum) rounded to x's dtype. The norm reads the f32 sum
+    itself, or with round_sum the rounded one: then the bits are exactly a separate add in x's
+    dtype followed by rmsnorm (the trainer's materialised residual, the `unfused` layer boundary),
+    in one launch where a leaf fuses them."""
 
 
 declare_family("norm", "rmsnorm", _rmsnorm_signature)
@@ -34,6 +39,14 @@ declare_family("norm", "add_rmsnorm", _add_rmsnorm_signature)
 
 _INVARIANT = dict(traits={"deterministic": True, "batch_invariant": True},
                   features={"batch_invariant"})
+
+
+def _sum(x, residual, round_sum: bool):
+    """x + residual in f32; round_sum: rounded to x's dtype and widened again (the f32 sum of two
+    bf16 values rounded once more to bf16 is their correctly rounded bf16 sum: 24 >= 2 * 8 + 2
+    bits, so the double rounding is innocuous -- the bits of `x + residual` in bf16)."""
+    total = x.astype(jnp.float32) + residual.astype(jnp.float32)
+    return total.astype(x.dtype).astype(jnp.float32) if round_sum else total
 
 
 def _normalize(xf, eps, mean_of_squares):
@@ -73,16 +86,16 @@ def rmsnorm_xla_native(x, weight, *, eps):
 
 @register("norm", "add_rmsnorm", "fixed_order", formats={"bf16", "f32"}, hardware={"any"},
           priority=Priority.PORTABLE, **_INVARIANT)
-def add_rmsnorm(x, residual, weight, *, eps):
-    total = x.astype(jnp.float32) + residual.astype(jnp.float32)
+def add_rmsnorm(x, residual, weight, *, eps, round_sum=False):
+    total = _sum(x, residual, round_sum)
     normed = _normalize(total, eps, _fixed_mean).astype(x.dtype)
     return (weight.astype(x.dtype) * normed).astype(x.dtype), total.astype(x.dtype)
 
 
 @register("norm", "add_rmsnorm", "xla_native", formats={"bf16", "f32"}, hardware={"any"},
           priority=Priority.TUNED + 1, traits={"batch_invariant": False})
-def add_rmsnorm_xla_native(x, residual, weight, *, eps):
-    total = x.astype(jnp.float32) + residual.astype(jnp.float32)
+def add_rmsnorm_xla_native(x, residual, weight, *, eps, round_sum=False):
+    total = _sum(x, residual, round_sum)
     normed = _normalize(total, eps, _native_mean).astype(x.dtype)
     return (weight.astype(x.dtype) * normed).astype(x.dtype), total.astype(x.dtype)
 

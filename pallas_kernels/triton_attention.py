@@ -6,10 +6,10 @@ an online softmax over KV tiles of BLOCK_N positions, merged in split order; a p
 of TPP consecutive tokens of one request x the query heads of one KV head.
 
 Two schedules give the same bits: `serial` (one program walks every split of its tile) and `split`
-(one program per split, then a combine kernel). `schedule_for` picks by the step's row count, which
-is allowed precisely because the bits do not change with it (tests/test_triton_attention.py checks
-both schedules against each other under the Triton interpreter on the CPU, and scripts/gpu_validate.py
-on the GPU).
+(one program per split; the last of a tile's programs to finish merges them, in the same launch).
+`schedule_for` picks by the step's row count, which is allowed precisely because the bits do not
+change with it (tests/test_triton_attention.py checks both schedules against each other under the
+Triton interpreter on the CPU, and scripts/gpu_validate.py on the GPU).
 
 The dense-causal form (the trainer's [B, S, H, D] layout) is the same kernel reading each sequence
 as one KV page of S positions, so the trainer's twin and the engine's paged leaf agree bit for bit.
@@ -135,10 +135,6 @@ def _constexprs(q, k_cache) -> dict:
     return dict(geo, BLOCK_N=BLOCK_N, SPLIT=SPLIT, IEEE=dtype_name(q.dtype) == "f32")
 
 
-def _combine_constexprs(c: dict) -> dict:
-    return {k: v for k, v in c.items() if k not in ("BLOCK_N", "IEEE")}
-
-
 def paged_attention_triton(q, kv, block_tables, token_req, positions, *, scale,
                            schedule: str | None = None):
     """q [T, Hq, D]; kv = (k_pages, v_pages), each [Np, page_size, Hkv, D]; block_tables [R, P];
@@ -160,13 +156,14 @@ def paged_attention_triton(q, kv, block_tables, token_req, positions, *, scale,
     nsplit = cdiv(page_size * width, SPLIT)
     rows = c["TPP"] * c["GP"]
     n = t * c["HKV"] * nsplit * rows
-    parts = jax_launch(k.attention_split_kernel, inputs,
-                       (jax.ShapeDtypeStruct((n,), jnp.float32),
-                        jax.ShapeDtypeStruct((n,), jnp.float32),
-                        jax.ShapeDtypeStruct((n, c["D"]), jnp.float32)),
-                       (t, c["HKV"], nsplit), **launch, **c, NSPLIT=nsplit)
-    return jax_launch(k.attention_combine_kernel, (positions, tiles, t, *parts), out,
-                      (t, c["HKV"]), **launch, **_combine_constexprs(c), NSPLIT=nsplit)
+    *_, out = jax_launch(k.attention_split_kernel, inputs,
+                         (jax.ShapeDtypeStruct((n,), jnp.float32),
+                          jax.ShapeDtypeStruct((n,), jnp.float32),
+                          jax.ShapeDtypeStruct((n, c["D"]), jnp.float32),
+                          jax.ShapeDtypeStruct((t * c["HKV"],), jnp.int32), out),
+                         (t, c["HKV"], nsplit), zeroed_outputs=(3,), **launch, **c,
+                         NSPLIT=nsplit)
+    return out
 
 
 def _dense_as_pages(b: int, s: int):
@@ -217,10 +214,9 @@ def paged_attention_triton_torch(q, kv, block_tables, token_req, positions, *, s
     parts = (torch.empty(n, dtype=torch.float32, device=q.device),
              torch.empty(n, dtype=torch.float32, device=q.device),
              torch.empty(n, c["D"], dtype=torch.float32, device=q.device))
-    torch_launch(k.attention_split_kernel, inputs, parts, (t, c["HKV"], nsplit), **launch, **c,
-                 NSPLIT=nsplit)
-    torch_launch(k.attention_combine_kernel, (positions, tiles, t, *parts), (out,),
-                 (t, c["HKV"]), **launch, **_combine_constexprs(c), NSPLIT=nsplit)
+    sems = torch.zeros(t * c["HKV"], dtype=torch.int32, device=q.device)
+    torch_launch(k.attention_split_kernel, inputs, (*parts, sems, out), (t, c["HKV"], nsplit),
+                 **launch, **c, NSPLIT=nsplit)
     return out
 
 

@@ -8,7 +8,8 @@ dtype, multiply by the weight rounded to that dtype, round again. One row per pr
 function of H alone, so a row's bits never depend on how many rows share the call.
 
 `add_rmsnorm` is the fused layer-boundary form: the f32 sum x + residual feeds the norm and its
-rounding is the new residual.
+rounding is the new residual; with round_sum the rounded sum feeds the norm (the `unfused`
+boundary's bits -- a separate add, then the norm -- in one launch instead of two).
 
 eps is passed as an f32 scalar from both hosts: jax-triton types a Python float as fp64 (torch's
 Triton launcher as fp32), and an fp64 eps promotes `var + eps` and the rsqrt to fp64 -- measured on
@@ -58,7 +59,7 @@ def rmsnorm_triton(x, weight, *, eps):
                       num_warps=warps, num_stages=1, **consts)
 
 
-def add_rmsnorm_triton(x, residual, weight, *, eps):
+def add_rmsnorm_triton(x, residual, weight, *, eps, round_sum=False):
     m, h = _check("add_rmsnorm", x, weight, residual)
     if m == 0:
         return x, residual
@@ -66,7 +67,8 @@ def add_rmsnorm_triton(x, residual, weight, *, eps):
     outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype))
     normed, new_residual = jax_launch(kernels().add_rmsnorm_kernel,
                                       (x, residual, weight, np.float32(eps)), outs, (m,),
-                                      num_warps=warps, num_stages=1, **consts)
+                                      num_warps=warps, num_stages=1, ROUND_SUM=bool(round_sum),
+                                      **consts)
     return normed, new_residual
 
 
@@ -107,7 +109,7 @@ def mean_fixed_order_torch(x):
     return out.reshape(*x.shape[:-1], 1)
 
 
-def add_rmsnorm_triton_torch(x, residual, weight, *, eps):
+def add_rmsnorm_triton_torch(x, residual, weight, *, eps, round_sum=False):
     import torch
 
     m, h = _check("add_rmsnorm_triton_torch", x, weight, residual)
@@ -117,7 +119,8 @@ def add_rmsnorm_triton_torch(x, residual, weight, *, eps):
     if m:
         consts, warps = _launch_params(h)
         torch_launch(kernels().add_rmsnorm_kernel, (x, residual, weight, float(eps)),
-                     (out, new_residual), (m,), num_warps=warps, num_stages=1, **consts)
+                     (out, new_residual), (m,), num_warps=warps, num_stages=1,
+                     ROUND_SUM=bool(round_sum), **consts)
     return out, new_residual
 
 

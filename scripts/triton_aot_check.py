@@ -108,8 +108,9 @@ def gemm_kernels():
 
 
 def attention_kernels():
-    """(label, fn, args, consts, (warps, stages, fp_fusion)) of the attention leaf's three kernels,
-    for the Llama-3-8B heads (32 q / 8 kv, D 128) and the tiny model's, bf16 and f32."""
+    """(label, fn, args, consts, (warps, stages, fp_fusion)) of the attention leaf's two kernels and
+    the rope_write leaf's, for the Llama-3-8B heads (32 q / 8 kv, D 128) and the tiny model's, bf16
+    and f32."""
     from pallas_kernels import _triton_attention_kernels as K
     from pallas_kernels import triton_attention as ta
 
@@ -124,13 +125,16 @@ def attention_kernels():
             label = f"attention hq={hq} hkv={hkv} D={d} {dtype}"
             yield (label + " serial", K.attention_serial_kernel,
                    dict(inputs, out_ptr=f"*{dtype}"), c, launch)
-            parts = {"part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32"}
+            parts = {"part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32",
+                     "sem_ptr": "*i32", "out_ptr": f"*{dtype}"}
             yield (label + " split", K.attention_split_kernel, dict(inputs, **parts),
                    dict(c, NSPLIT=8), launch)
-            combine = {"pos_ptr": "*i32", "tiles_ptr": "*i32", "num_tiles": "i32", **parts,
-                       "out_ptr": f"*{dtype}"}
-            yield (label + " combine", K.attention_combine_kernel, combine,
-                   dict(ta._combine_constexprs(c), NSPLIT=8), launch)
+            rope = {**{p: f"*{dtype}" for p in ("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr")},
+                    "page_ptr": "*i32", "slot_ptr": "*i32", "kc_ptr": f"*{dtype}",
+                    "vc_ptr": f"*{dtype}", "num_pages": "i32", "page_size": "i32",
+                    **{p: f"*{dtype}" for p in ("q_out_ptr", "kc_out_ptr", "vc_out_ptr")}}
+            yield (f"rope_write hq={hq} hkv={hkv} D={d} {dtype}", K.rope_write_kernel, rope,
+                   dict(HQ=hq, HKV=hkv, HQP=hq, HKVP=hkv, D=d), (4, 1, False))
 
 
 def mla_attention_kernels():

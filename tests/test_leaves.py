@@ -83,6 +83,23 @@ def test_add_rmsnorm_row_invariant():
     assert row_invariance_failures(fn, (x, r, weight), {0, 1}) == {}
 
 
+@pytest.mark.parametrize("impl", ["add_rmsnorm", "add_rmsnorm_xla_native"])
+def test_add_rmsnorm_round_sum_is_the_separate_add_then_the_norm(impl):
+    """round_sum (the unfused layer boundary in one leaf): the bits of `residual + x` in bf16 and
+    the family's rmsnorm of it, normed output and new residual alike. Control: without round_sum
+    the norm reads the f32 sum and some rows differ."""
+    fused = getattr(rmsnorm, impl)
+    norm = rmsnorm.rmsnorm if impl == "add_rmsnorm" else rmsnorm.rmsnorm_xla_native
+    x, r, weight = bf16(64, 80, scale=3.0), bf16(64, 80, scale=3.0), bf16(80)
+    got, new_res = jax.jit(lambda x, r, w: fused(x, r, w, eps=1e-5, round_sum=True))(x, r, weight)
+    summed = jax.jit(lambda x, r: r + x)(x, r)
+    want = jax.jit(lambda h, w: norm(h, w, eps=1e-5))(summed, weight)
+    assert count_bit_differences(new_res, summed) == 0
+    assert count_bit_differences(got, want) == 0
+    f32_sum = jax.jit(lambda x, r, w: fused(x, r, w, eps=1e-5)[0])(x, r, weight)
+    assert count_bit_differences(f32_sum, want) > 0
+
+
 def test_silu_matches_torch_form_and_is_elementwise():
     x = bf16(64, 50, scale=4.0)
     fn = jax.jit(activation.silu)

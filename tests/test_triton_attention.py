@@ -134,6 +134,32 @@ def test_negative_control_another_split_size_changes_the_bits(setup, monkeypatch
     assert count_bit_differences(before, after) > 0
 
 
+def test_negative_control_the_split_merge_waits_for_every_split(setup):
+    """The split schedule's merge runs in the last of a tile's programs to count itself (a zeroed
+    int32 per tile and KV head). With every counter starting at 1 instead, the next-to-last
+    program merges -- one split's state not yet stored (zeros here) -- and the rows differ: the
+    schedules' agreement above is not an accident of program order."""
+    k, v, tables, seqs, q, lengths = setup
+    rows = [(1, p) for p in range(280, 300)]  # positions past SPLIT: two splits per row
+    split = _step(_q(q, rows), (k, v, tables), rows, schedule="split")
+    qr = _q(q, rows)
+    req = torch.ones(len(rows), dtype=torch.int32)
+    pos = torch.tensor([p for _, p in rows], dtype=torch.int32)
+    c = ta._constexprs(qr, k)
+    t, page_size, width = len(rows), k.shape[1], tables.shape[1]
+    tiles = ta.tiles_torch(req, pos, c["TPP"])
+    nsplit = ta.cdiv(page_size * width, ta.SPLIT)
+    n = t * c["HKV"] * nsplit * c["TPP"] * c["GP"]
+    parts = (torch.zeros(n), torch.zeros(n), torch.zeros(n, c["D"]))
+    out = torch.zeros_like(qr)
+    sems = torch.ones(t * c["HKV"], dtype=torch.int32)
+    ta.torch_launch(ta.kernels().attention_split_kernel,
+                    (qr, k, v, tables, pos, tiles, t, page_size, width, SCALE),
+                    (*parts, sems, out), (t, c["HKV"], nsplit), num_warps=ta.NUM_WARPS,
+                    num_stages=ta.NUM_STAGES, enable_fp_fusion=False, **c, NSPLIT=nsplit)
+    assert count_bit_differences(split, out.numpy()) > 0
+
+
 def test_tiles_are_the_same_from_jax_and_torch():
     import jax.numpy as jnp
 

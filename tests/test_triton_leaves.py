@@ -23,7 +23,7 @@ import pytest
 
 from pallas_kernels import (triton_activation, triton_attention, triton_gemm, triton_gemm_tiles,
                             triton_mla_attention, triton_moe_grouped_gemm, triton_norm,
-                            triton_sampling)
+                            triton_rope_write, triton_sampling)
 from pallas_kernels._triton_launch import bits, dtype_name, import_jax_triton, triton_available
 from pallas_kernels.registry import REGISTRY
 
@@ -37,7 +37,8 @@ TRITON_IMPLS = {("linear", "gemm"): "triton_fixed_tile",
                 ("attention", "paged"): "triton_fixed_split",
                 ("attention", "dense_causal"): "triton_fixed_split",
                 ("attention", "mla_paged"): "triton_fixed_split",
-                ("attention", "mla_dense_causal"): "triton_fixed_split"}
+                ("attention", "mla_dense_causal"): "triton_fixed_split",
+                ("attention", "rope_write"): "triton_fused"}
 TRITON_LEAVES = {("linear", "gemm"): triton_gemm.gemm_triton,
                  ("linear", "gemm_group"): triton_gemm.gemm_group_triton,
                  ("moe", "grouped_gemm"): triton_moe_grouped_gemm.grouped_gemm_triton,
@@ -49,7 +50,8 @@ TRITON_LEAVES = {("linear", "gemm"): triton_gemm.gemm_triton,
                  ("attention", "dense_causal"): triton_attention.dense_causal_attention_triton,
                  ("attention", "mla_paged"): triton_mla_attention.mla_paged_attention_triton,
                  ("attention", "mla_dense_causal"):
-                     triton_mla_attention.mla_dense_causal_attention_triton}
+                     triton_mla_attention.mla_dense_causal_attention_triton,
+                 ("attention", "rope_write"): triton_rope_write.rope_write_triton}
 
 
 # -- any machine -----------------------------------------------------------------------------------

@@ -33,3 +33,22 @@ def test_mean_twin_is_the_tree_divided_by_width(width):
                                  .numpy()) == 0
     # Control: the multiply by the reciprocal (what XLA made of the division) is another number.
     assert count_bit_differences(got, tree * np.float32(1 / width)) > 0
+
+
+
+def test_add_rmsnorm_round_sum_norms_the_residual_it_stores():
+    """The kernel's ROUND_SUM (the unfused layer boundary in one launch): the normed rows are
+    rmsnorm_kernel's of the new residual it stores, i.e. of the sum rounded to bf16; without it the
+    norm reads the f32 sum and rows differ (the control). That the stored residual is torch's /
+    XLA's bf16 `residual + x` is the GPU's rounding: the interpreter's bf16 conversion is not
+    IEEE round-to-nearest-even, so that half is checked by the JAX leaves' test
+    (tests/test_leaves.py) and on the H200 by the goldens."""
+    gen = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(16, 96, generator=gen).mul(3).to(torch.bfloat16) for _ in range(2))
+    w = torch.randn(96, generator=gen).to(torch.bfloat16)
+    normed, new_res = triton_norm.add_rmsnorm_triton_torch(x, r, w, eps=1e-5, round_sum=True)
+    want = triton_norm.rmsnorm_triton_torch(new_res, w, eps=1e-5)
+    assert count_bit_differences(normed.float().numpy(), want.float().numpy()) == 0
+    f32_sum, same_res = triton_norm.add_rmsnorm_triton_torch(x, r, w, eps=1e-5)
+    assert count_bit_differences(same_res.float().numpy(), new_res.float().numpy()) == 0
+    assert count_bit_differences(f32_sum.float().numpy(), want.float().numpy()) > 0

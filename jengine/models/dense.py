@@ -46,6 +46,9 @@ class ModelKernels:
     add_rmsnorm: KernelPlan
     silu: KernelPlan
     attention: KernelPlan
+    # RoPE on q and k, and the K/V page write: one Triton launch on a GPU, XLA's four kernels
+    # elsewhere (pallas_kernels/rope_write.py)
+    rope_write: KernelPlan
 
     @classmethod
     def plan_for(cls, *, dtype, hardware: str, features=frozenset(),
@@ -61,6 +64,7 @@ class ModelKernels:
             add_rmsnorm=plan("norm", "add_rmsnorm", **kw),
             silu=plan("activation", "silu", **kw),
             attention=plan("attention", "paged", geometry=attention_geometry, **kw),
+            rope_write=plan("attention", "rope_write", geometry=attention_geometry, **kw),
         )
 
     def describe(self) -> dict[str, str]:
@@ -185,33 +189,28 @@ class DenseDecoder(nnx.Module):
         h = self.embed_tokens(input_ids, tp=self.tp)
         residual = None
         new_kv, routed = [], []
+        # Under the unfused boundary the norm reads the trainer's materialised residual (the sum
+        # rounded to the model dtype); the fused leaf's round_sum gives those bits in one launch.
+        unfused = self.unfused_norm
         for i, layer in enumerate(self.layers):
-            if self.unfused_norm or residual is None:
-                if residual is not None:
-                    h = residual + h  # the trainer's bf16 residual, materialised
+            if residual is None:
                 residual = h
                 x = layer.input_layernorm(kern, h, eps=eps)
             else:
-                x, residual = layer.input_layernorm.add(kern, h, residual, eps=eps)
+                x, residual = layer.input_layernorm.add(kern, h, residual, eps=eps,
+                                                        round_sum=unfused)
             attn, layer_kv = layer.self_attn(kern, x, kv[i], page=page, slot=slot, cos=cos, sin=sin,
                                              block_tables=block_tables, token_req=token_req,
                                              positions=positions, dtype=self.dtype, tp=self.tp)
             new_kv.append(layer_kv)
-            if self.unfused_norm:
-                h = residual + attn
-                residual = h
-                x = layer.post_attention_layernorm(kern, h, eps=eps)
-            else:
-                x, residual = layer.post_attention_layernorm.add(kern, attn, residual, eps=eps)
+            x, residual = layer.post_attention_layernorm.add(kern, attn, residual, eps=eps,
+                                                             round_sum=unfused)
             if getattr(layer.mlp, "routed", None) is not None:  # a sparse MoE block
                 h, ids = layer.mlp.routed(kern, x, dtype=self.dtype, tp=self.tp)
             else:
                 h, ids = layer.mlp(kern, x, dtype=self.dtype, tp=self.tp), None
             routed.append(ids)
-        if self.unfused_norm:
-            out = self.norm(kern, residual + h, eps=eps)
-        else:
-            out, _ = self.norm.add(kern, h, residual, eps=eps)
+        out, _ = self.norm.add(kern, h, residual, eps=eps, round_sum=unfused)
         return out, tuple(new_kv), routed
 
     def compute_logits(self, hidden):

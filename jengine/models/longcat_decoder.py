@@ -139,14 +139,12 @@ class LongcatDecoder(dense.DenseDecoder):
         return out, new_kv, jnp.stack(routed, axis=1)
 
     def _add_norm(self, norm, delta, residual, eps):
-        """(norm(residual + delta), residual + delta): a materialised sum under unfused, the fused
-        add + RMSNorm leaf otherwise. residual None: norm(delta) alone (the first layer)."""
+        """(norm(residual + delta), residual + delta) in the fused add + RMSNorm leaf; under unfused
+        the norm reads the sum rounded to the model dtype (round_sum: the materialised sum's
+        bits). residual None: norm(delta) alone (the first layer)."""
         if residual is None:
             return norm(self.kernels, delta, eps=eps), delta
-        if self.unfused_norm:
-            h = residual + delta
-            return norm(self.kernels, h, eps=eps), h
-        return norm.add(self.kernels, delta, residual, eps=eps)
+        return norm.add(self.kernels, delta, residual, eps=eps, round_sum=self.unfused_norm)
 
     def decode(self, input_ids, positions, token_req, block_tables, kv):
         kern, eps, dtype = self.kernels, self.cfg.rms_norm_eps, self.dtype

@@ -14,7 +14,6 @@ from jax import lax
 from jengine.models.kv_cache import KVPages
 from jengine.models.layers.linear import Linear, linears
 from jengine.models.layers.norm import RMSNorm
-from jengine.models.layers.rope import apply_rope
 
 
 class Attention(nnx.Module):
@@ -54,9 +53,8 @@ class Attention(nnx.Module):
         """x [T, H]; kv = (k_pages, v_pages). Returns (output [T, H], the updated pages).
 
         Every row's K/V is written (padding rows to an out-of-bounds page, dropped) before any
-        row attends. Declared unique, the scatter is a plain in-place write even under
-        --xla_gpu_deterministic_ops, which otherwise sorts the indices (measured on the H200:
-        1.3 ms of a 14.5 ms decode step at batch 64).
+        row attends: the planned rope_write leaf rotates q and k and writes the pages
+        (pallas_kernels/rope_write.py).
 
         tp (sharding.tensor_parallel.TensorParallel, inside shard_map): q/k/v are column-parallel,
         so this rank holds whole heads (its share of them, and the matching KV pages); o_proj is
@@ -76,11 +74,7 @@ class Attention(nnx.Module):
         if self.qk_norm:
             q = self.q_norm(kern, q.reshape(t * hq, d), eps=self.eps).reshape(t, hq, d)
             k = self.k_norm(kern, k.reshape(t * hkv, d), eps=self.eps).reshape(t, hkv, d)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        k_pages, v_pages = kv
-        k_pages = k_pages.at[page, slot].set(k.astype(k_pages.dtype), mode="drop", unique_indices=True)
-        v_pages = v_pages.at[page, slot].set(v.astype(v_pages.dtype), mode="drop", unique_indices=True)
+        q, (k_pages, v_pages) = kern.rope_write(q, k, v, cos, sin, kv, page, slot)
         o = kern.attention(q, (k_pages, v_pages), block_tables, token_req, positions,
                            scale=d ** -0.5)
         return (self.o_proj(kern, o.reshape(t, hq * d), out_dtype=dtype, tp=tp, site="o"),

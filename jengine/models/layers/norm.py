@@ -19,6 +19,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, kern, x, *, eps):
         return kern.rmsnorm(x, self.weight[...], eps=eps)
 
-    def add(self, kern, x, residual, *, eps):
-        """(norm(x + residual), x + residual) in one fused leaf."""
-        return kern.add_rmsnorm(x, residual, self.weight[...], eps=eps)
+    def add(self, kern, x, residual, *, eps, round_sum=False):
+        """(norm(x + residual), x + residual) in one fused leaf; round_sum: the norm reads the
+        rounded sum (the bits of the add in x's dtype, then the norm: the `unfused` boundary)."""
+        return kern.add_rmsnorm(x, residual, self.weight[...], eps=eps, round_sum=round_sum)

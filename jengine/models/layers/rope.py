@@ -36,6 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# HF's rotate-half form lives with the portable rope_write leaf (the GQA attention layer runs it
+# through its planned leaf); MLA's rope dimensions call it from here.
+from pallas_kernels.rope_write import apply_rope  # noqa: F401
+
 F32 = np.float32
 
 
@@ -184,16 +188,6 @@ def rope_tables(head_dim: int, rope_theta: float, rope_scaling: dict | None,
     cos = (jnp.cos(emb) * jnp.float32(scaling)).astype(dtype)
     sin = (jnp.sin(emb) * jnp.float32(scaling)).astype(dtype)
     return cos, sin
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """HF form in the model dtype: ``x * cos + rotate_half(x) * sin``, each op rounded.
-
-    x [T, H, D]; cos, sin [T, D]. Exact elementwise glue (three rounded ops), no reduction.
-    """
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 def apply_rope_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
