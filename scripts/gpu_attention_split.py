@@ -1,6 +1,7 @@
 """Does the split attention schedule's launch shape change any bit, and what does it buy at the
 few-row decode steps it runs? An experiment for issue #19 (at bs 1 the split kernel and its combine
-take ~17 + 7 µs per layer for 4 MB of KV: latency, not bandwidth).
+took ~17 + 7 µs per layer for 4 MB of KV with a separate combine kernel: latency, not bandwidth;
+the merge now runs in the split launch's last program per tile).
 
     python scripts/gpu_attention_split.py [--out DIR] [--smoke]
 
@@ -8,10 +9,10 @@ The split kernel's programs each walk SPLIT / BLOCK_N = 8 KV tiles; num_stages s
 tiles' loads are in flight ahead of the math, num_warps how many warps share a tile's rows (which
 could change the row sums' order: measured here). The block table is as wide as the engine's for
 an 8k context (33 splits per row, most of them empty programs at ctx 1024), as the model bench
-runs it. Every output's float bits are compared with the launch every step runs today (4 warps,
-2 stages for both kernels); the control (SPLIT 128) must differ. Llama-3-8B heads, bf16, shuffled
-16-token pages; device µs of split + combine, captured in a CUDA graph and replayed 200 times. Writes
-attention_split.json / .md to --out.
+runs it. Every output's float bits are compared with the serial schedule's (the reference every
+other step runs) and with today's split launch (4 warps, 2 stages); the control (SPLIT 128) must
+differ. Llama-3-8B heads, bf16, shuffled 16-token pages; device µs of the split launch, captured in
+a CUDA graph and replayed 200 times. Writes attention_split.json / .md to --out.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import gpu_attention_rows as rows_exp  # noqa: E402
 import torch  # noqa: E402
 
 ta = rows_exp.ta
-TODAY = (4, 2, 4, 2)  # split kernel (warps, stages), combine kernel (warps, stages)
+TODAY = (4, 2)  # the split kernel's (warps, stages)
 ENGINE_WIDTH = 8192 // rows_exp.PAGE + 1  # block-table pages of an 8k-context launch
 
 
@@ -39,9 +40,10 @@ def widen(case, width):
     return q, k, v, wide, req, pos
 
 
-def split_launch(case, warps, stages, cwarps, cstages, split=None):
-    """The leaf's split schedule with these launch settings: (run, output). `run` launches only
-    the two kernels (tiles and buffers are made once), so a CUDA graph of it times the device."""
+def split_launch(case, warps, stages, split=None):
+    """The leaf's split schedule with these launch settings: (run, output). `run` zeroes the
+    counters and launches the kernel (tiles and buffers are made once), so a CUDA graph of it
+    times the device."""
     q, k, v, table, req, pos = case
     c = dict(ta._constexprs(q, k), SPLIT=split or ta.SPLIT)
     tiles = ta.tiles_torch(req, pos, c["TPP"])
@@ -53,16 +55,70 @@ def split_launch(case, warps, stages, cwarps, cstages, split=None):
              torch.empty(n, c["D"], dtype=torch.float32, device=q.device))
     inputs = (q, k, v, table, pos, tiles, t, rows_exp.PAGE, table.shape[1], rows_exp.D ** -0.5)
     out = torch.empty_like(q)
+    sems = torch.zeros(t * c["HKV"], dtype=torch.int32, device=q.device)
 
     def run():
-        rows_exp.torch_launch(ta.kernels().attention_split_kernel, inputs, parts,
+        sems.zero_()
+        rows_exp.torch_launch(ta.kernels().attention_split_kernel, inputs, (*parts, sems, out),
                               (t, c["HKV"], nsplit), num_warps=warps, num_stages=stages,
                               enable_fp_fusion=False, **c, NSPLIT=nsplit)
-        rows_exp.torch_launch(ta.kernels().attention_combine_kernel, (pos, tiles, t, *parts),
-                              (out,), (t, c["HKV"]), num_warps=cwarps, num_stages=cstages,
-                              enable_fp_fusion=False, **ta._combine_constexprs(c), NSPLIT=nsplit)
     run()
     return run, out
+
+
+def serial_launch(case, warps, stages):
+    """The leaf's serial schedule (every step of more than SPLIT_MAX_ROWS rows) with these launch
+    settings: (run, output), as split_launch."""
+    q, k, v, table, req, pos = case
+    c = ta._constexprs(q, k)
+    tiles = ta.tiles_torch(req, pos, c["TPP"])
+    t = q.shape[0]
+    inputs = (q, k, v, table, pos, tiles, t, rows_exp.PAGE, table.shape[1], rows_exp.D ** -0.5)
+    out = torch.empty_like(q)
+
+    def run():
+        rows_exp.torch_launch(ta.kernels().attention_serial_kernel, inputs, (out,), (t, c["HKV"]),
+                              num_warps=warps, num_stages=stages, enable_fp_fusion=False, **c)
+    run()
+    return run, out
+
+
+def serial_main(args) -> int:
+    """--serial: the serial schedule's launch settings at the steps that run it (decode at 64 and
+    256 rows, a 4096-token prefill chunk): bits vs today's launch, device µs per layer."""
+    gen = torch.Generator().manual_seed(0)
+    mk = rows_exp.make_case
+    cases = {"decode 40 x ctx 300": mk(gen, [301] * 40, [1] * 40)} if args.smoke else {
+        "decode 64 x ctx 1024": mk(gen, [1025] * 64, [1] * 64),
+        "decode 256 x ctx 1024": mk(gen, [1025] * 256, [1] * 256),
+        "prefill 4096": mk(gen, [4096], [4096]),
+    }
+    configs = [TODAY, (4, 3)] if args.smoke else [TODAY, (4, 3), (4, 4), (8, 2), (8, 3), (2, 2)]
+    rows = []
+    for name, case in cases.items():
+        case = widen(case, 40 if args.smoke else ENGINE_WIDTH)
+        ref = serial_launch(case, *TODAY)[1]
+        for cfg in configs:
+            try:
+                run, out = serial_launch(case, *cfg)
+                n, us, err = rows_exp.rows_differ(ref, out), device_us(run), None
+            except Exception as exc:  # noqa: BLE001 -- a config that does not compile is a result
+                n, us, err = None, None, f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows.append({"case": name, "warps": cfg[0], "stages": cfg[1], "rows_differ": n,
+                         "us": us, "error": err})
+            print(f"   {name} serial w{cfg[0]} s{cfg[1]}: differ {n} rows, "
+                  f"{'-' if us is None else f'{us:.1f} us'}{'' if err is None else ' ' + err}",
+                  flush=True)
+    with open(os.path.join(args.out, "attention_serial.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(os.path.join(args.out, "attention_serial.md"), "w") as f:
+        f.write("| case | serial warps / stages | rows differing from today | µs per layer |\n"
+                "|---|---|---|---|\n")
+        for r in rows:
+            us = "-" if r["us"] is None else f"{r['us']:.1f}"
+            f.write(f"| {r['case']} | {r['warps']} / {r['stages']} | "
+                    f"{r['rows_differ'] if r['error'] is None else r['error']} | {us} |\n")
+    return 0
 
 
 def device_us(run, iters=200) -> float:
@@ -92,6 +148,8 @@ def main() -> int:
     p.add_argument("--splits", type=int, nargs="*", default=[],
                    help="also time today's launch with these SPLIT sizes: other bits, so for "
                         "--numerics auto only (no contract there); rows differing are reported")
+    p.add_argument("--serial", action="store_true",
+                   help="the serial schedule's launch settings instead (64 / 256 rows, prefill)")
     args = p.parse_args()
     if args.smoke:  # before the kernels' module is imported: the interpreter is chosen then
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -99,6 +157,8 @@ def main() -> int:
         import triton_interpreter  # noqa: F401
         rows_exp.DEV = "cpu"
     os.makedirs(args.out, exist_ok=True)
+    if args.serial:
+        return serial_main(args)
     gen = torch.Generator().manual_seed(0)
     mk = rows_exp.make_case
     width = 40 if args.smoke else ENGINE_WIDTH
@@ -108,21 +168,25 @@ def main() -> int:
         "decode 16 x ctx 1024": mk(gen, [1025] * 16, [1] * 16),
         "decode 16 x ctx 8192": mk(gen, [8193] * 16, [1] * 16),
     }
-    configs = [TODAY, (4, 3, 4, 2)] if args.smoke else [
-        TODAY, (4, 3, 4, 2), (4, 4, 4, 2), (2, 2, 4, 2), (2, 3, 4, 2), (8, 2, 4, 2),
-        (4, 2, 2, 1), (4, 2, 8, 2), (4, 4, 2, 1)]
+    configs = [TODAY, (4, 3)] if args.smoke else [
+        TODAY, (4, 3), (4, 4), (2, 2), (2, 3), (8, 2)]
     rows = []
     for name, case in cases.items():
         case = widen(case, width)
         ref = split_launch(case, *TODAY)[1]
+        q, k, v, table, req, pos = case
+        serial = ta.paged_attention_triton_torch(q, (k, v), table, req, pos,
+                                                 scale=rows_exp.D ** -0.5, schedule="serial")
+        vs_serial = rows_exp.rows_differ(serial, ref)
         control = rows_exp.rows_differ(ref, split_launch(case, *TODAY, split=128)[1])
-        print(f"== {name}: control (SPLIT 128) differs in {control} rows", flush=True)
+        print(f"== {name}: split vs serial schedule differs in {vs_serial} rows; control "
+              f"(SPLIT 128) differs in {control} rows", flush=True)
         for split in args.splits:
             run, out = split_launch(case, *TODAY, split=split)
             rows.append(dict(case=name, split_warps=TODAY[0], split_stages=TODAY[1],
-                             combine_warps=TODAY[2], combine_stages=TODAY[3],
                              rows_differ=rows_exp.rows_differ(ref, out), us=device_us(run),
-                             control_rows_differ=control, error=None, split=split))
+                             vs_serial=vs_serial, control_rows_differ=control, error=None,
+                             split=split))
             print(f"   SPLIT {split} (auto only): {rows[-1]['us']:.1f} us, differ "
                   f"{rows[-1]['rows_differ']} rows", flush=True)
         for cfg in configs:
@@ -133,23 +197,22 @@ def main() -> int:
                 err = None
             except Exception as exc:  # noqa: BLE001 -- a config that does not compile is a result
                 n, us, err = None, None, f"{type(exc).__name__}: {str(exc)[:200]}"
-            rows.append(dict(case=name, split_warps=cfg[0], split_stages=cfg[1],
-                             combine_warps=cfg[2], combine_stages=cfg[3], rows_differ=n, us=us,
-                             control_rows_differ=control, error=err))
-            print(f"   split w{cfg[0]} s{cfg[1]}, combine w{cfg[2]} s{cfg[3]}: differ {n} rows, "
+            rows.append(dict(case=name, split_warps=cfg[0], split_stages=cfg[1], rows_differ=n,
+                             us=us, vs_serial=vs_serial, control_rows_differ=control, error=err))
+            print(f"   split w{cfg[0]} s{cfg[1]}: differ {n} rows, "
                   f"{'-' if us is None else f'{us:.1f} us'}{'' if err is None else ' ' + err}",
                   flush=True)
     with open(os.path.join(args.out, "attention_split.json"), "w") as f:
         json.dump(rows, f, indent=1)
     with open(os.path.join(args.out, "attention_split.md"), "w") as f:
-        f.write("| case | split warps / stages | combine warps / stages | rows differing from "
-                "today | µs per layer (split + combine) |\n|---|---|---|---|---|\n")
+        f.write("| case | split warps / stages | rows differing from today | today vs serial | "
+                "µs per layer |\n|---|---|---|---|---|\n")
         for r in rows:
             us = "-" if r["us"] is None else f"{r['us']:.1f}"
             f.write(f"| {r['case']}{' SPLIT %d' % r['split'] if 'split' in r else ''} | "
                     f"{r['split_warps']} / {r['split_stages']} | "
-                    f"{r['combine_warps']} / {r['combine_stages']} | "
-                    f"{r['rows_differ'] if r['error'] is None else r['error']} | {us} |\n")
+                    f"{r['rows_differ'] if r['error'] is None else r['error']} | "
+                    f"{r['vs_serial']} | {us} |\n")
     return 0
 
 

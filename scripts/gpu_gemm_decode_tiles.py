@@ -19,6 +19,10 @@ JAX launch through jax-triton):
   timing  device µs per GEMM at M = 1, 16, 64: a chain over >= 1.5 GiB of distinct weights
           inside one jit (L2 cannot hold them), median of 10 samples of 3 chains back to back.
 
+`--candidates` also takes prefill launch shapes (`--time-rows 1024 4096 --bits-rows 1 200 1024`): a
+fifth field picks the schedule (serial, split, or fused: the split schedule with its reduce inside
+the launch), and `--xla` times XLA's own dot (auto's GEMM) at the same rows for reference.
+
 Writes gemm_decode_tiles.json / .md to --out. `--smoke` runs the bits part on the CPU under the
 Triton interpreter with tiny shapes (how this script is checked off the GPU); timings need a GPU.
 """
@@ -67,6 +71,9 @@ def run(tile, x, ws, out_dtype=None, schedule=None):
     import jax.numpy as jnp
 
     from pallas_kernels import triton_gemm as tg
+
+    if tile == "xla":  # auto's GEMM, for reference timings
+        return tuple(jnp.dot(x, w) for w in ws)
 
     if TORCH:
         import numpy as np
@@ -126,6 +133,8 @@ def main() -> int:
                    help="launch shapes as BM,BN,WARPS,STAGES[,serial|split] (default: a set)")
     p.add_argument("--skip-bits", action="store_true", help="timings only (exploring)")
     p.add_argument("--time-rows", type=int, nargs="*", default=list(TIME_ROWS))
+    p.add_argument("--bits-rows", type=int, nargs="*", default=list(BITS_ROWS))
+    p.add_argument("--xla", action="store_true", help="also time XLA's dot (auto's GEMM)")
     args = p.parse_args()
     if args.smoke:
         sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -147,7 +156,7 @@ def main() -> int:
     if args.candidates:
         candidates = [tuple(int(v) if v.isdigit() else v for v in c.split(","))
                       for c in args.candidates]
-    rows_bits = (1, 3, 17) if args.smoke else BITS_ROWS
+    rows_bits = (1, 3, 17) if args.smoke else tuple(args.bits_rows)
     os.makedirs(args.out, exist_ok=True)
     result = {"bits": [], "timing": [], "skipped": []}
 
@@ -173,12 +182,16 @@ def main() -> int:
         for bm, bn, w, s, *schedule in candidates:
             tile = dataclasses.replace(contract, block_m=bm, block_n=bn, num_warps=w,
                                        num_stages=s)
+            if schedule == ["fused"]:  # the split schedule with its reduce in the launch
+                tile, schedule = dataclasses.replace(tile, fused_reduce=True), ["split"]
             tiles[tile.describe() + "".join(f" {v}" for v in schedule)] = (tile, *schedule[:1])
+        if args.xla:
+            tiles["xla dot (auto)"] = ("xla", None)
         for m in () if args.skip_bits else rows_bits:
             x, ws = inputs(m, k, ns, m, dtype)
             ref = run(contract, x, ws, jnp.float32)
             for label, (tile, *schedule) in tiles.items():
-                if label.startswith("contract"):
+                if label.startswith("contract") or tile == "xla":
                     continue
                 try:
                     n, err = differing(ref, run(tile, x, ws, jnp.float32, *schedule)), None

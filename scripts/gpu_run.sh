@@ -18,10 +18,16 @@
 #                  tile's K schedule at decode M: bits vs the contract tile, device µs per GEMM
 #   gemm_decode_tiles_big_m  the by_m picks vs the entry's tile at M = 64 / 128 / 256 (timings)
 #   bench_model_decode  roofline + decode rows bs 1 / 64 of both numerics, 30 iterations
+#   gemm_prefill_tiles  the same script at prefill M (1024 / 4096): launch shapes and schedules
+#                  (serial, split, fused) on the entries' K chunks, and XLA's dot, timings only
+#   triton_call_ab_rl  rl-bitwise decode rows with jax-triton's legacy custom call, then the FFI
+#                  one (JENGINE_TRITON_CALL=ffi: the step one CUDA graph)
 #   gemm_decode_tiles2  timings only, per shape, of launch shapes around the table's by_m picks
 #   attention_split_auto  attention_split plus today's launch at SPLIT 64 / 128 (auto only)
 #   attention_split scripts/gpu_attention_split.py: the split attention schedule (bs 1 / 16
 #                  decode) at other num_warps / num_stages: bits vs today, µs per layer
+#   attention_serial  the same script's --serial: the serial schedule (64 / 256 decode rows, a
+#                  4096-token prefill) at other num_warps / num_stages: bits vs today, µs per layer
 #   attention_rows scripts/gpu_attention_rows.py: does the attention leaf's query tile (ROWS = 16
 #                  today) change any bit at 32 / 64 / 128 rows, and what it buys for prefill
 #   mla_digest     scripts/gpu_mla_digest.py: SHA-256 of the Triton MLA leaf's output bits on fixed
@@ -50,7 +56,7 @@
 #   sweep_split    the same with the split schedule forced at every M (large-M leads)
 #   bench_engine   the end-to-end Engine workload, auto and rl-bitwise, overlap on and off, and
 #                  the loop overhead at bs 64
-#   bench_engine_rl  bench_engine for rl-bitwise alone (~190 s)
+#   bench_engine_rl  bench_engine for rl-bitwise alone (~190 s); bench_engine_auto for auto
 #   bench_e2e_auto the engine and server parts for auto in one run (no loop-overhead rows): the
 #                  server's ratio to the Engine, and where each run's time went (loop phases
 #                  summed over the run, the server's CPU per thread, the clients' CPU), ~300 s
@@ -171,8 +177,14 @@ for s in "$@"; do
     triton_call_ab)
       JENGINE_TRITON_CALL=legacy step model_triton_legacy 240 python3 -m jengine.cli bench --parts model --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 115 --out "$out/model_triton_legacy"
       JENGINE_TRITON_CALL=ffi step model_triton_ffi 240 python3 -m jengine.cli bench --parts model --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 115 --out "$out/model_triton_ffi" ;;
+    triton_call_ab_rl)  # triton_call_ab for rl-bitwise alone, 20 iterations
+      JENGINE_TRITON_CALL=legacy step model_rl_triton_legacy 150 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 140 --out "$out/model_rl_triton_legacy"
+      JENGINE_TRITON_CALL=ffi step model_rl_triton_ffi 150 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 140 --out "$out/model_rl_triton_ffi" ;;
+    gemm_prefill_tiles)  # timings only: launch shapes on the entries' K chunks at prefill M, and XLA's dot
+      step gemm_prefill_tiles 330 python3 scripts/gpu_gemm_decode_tiles.py --skip-bits --budget-s 300 --iters 5 --time-rows 1024 4096 --xla --shapes q/o_proj "qkv group" "gate_up group" down_proj --candidates 128,128,8,4,split 128,128,8,4,fused 128,256,8,3,split 128,256,8,3,fused 256,128,8,3,split 128,128,8,4,serial 64,128,4,4,serial 128,256,8,3,serial 64,256,4,3,serial --out "$out/gemm_prefill_tiles" ;;
     cmdbuf_modes) step cmdbuf_modes 400 bash scripts/gpu_cmdbuf_modes.sh "$out/cmdbuf_modes" ;;
     attention_split) step attention_split 200 python3 scripts/gpu_attention_split.py --out "$out/attention_split" ;;
+    attention_serial) step attention_serial 200 python3 scripts/gpu_attention_split.py --serial --out "$out/attention_serial" ;;
     attention_split_auto) step attention_split_auto 150 python3 scripts/gpu_attention_split.py --splits 64 128 --out "$out/attention_split_auto" ;;
     gemm_decode_tiles2)  # timings only, per shape family: around the table's by_m picks
       step gemm_decode_tiles_qkv_o 120 python3 scripts/gpu_gemm_decode_tiles.py --skip-bits --budget-s 100 --shapes q/o_proj "qkv group" --candidates 64,64,4,3 64,64,4,5 64,32,4,4 64,32,4,6 32,64,4,4 64,64,4,4,serial 64,32,4,4,serial --out "$out/gemm_decode_tiles_qkv_o"
@@ -214,6 +226,7 @@ for s in "$@"; do
     sweep_prefill) step sweep_prefill 200 python3 -m jengine.cli bench --parts leaves --rows 1 64 4096 --iters 5 --leaf-shapes q/o_proj down_proj --tile-candidates 128,128,64,8,8,4,4 128,128,64,8,8,4,2 128,256,64,8,8,3,4 --part-timeout leaves=190 --out "$out/sweep_prefill" ;;
     sweep_split) step sweep_split 200 python3 -m jengine.cli bench --parts leaves --rows 1 64 4096 --iters 5 --leaf-shapes q/o_proj down_proj --tile-candidates 128,128,64,8,8,4,4:split 64,128,128,8,4,3,4:split 64,64,128,8,4,6,4:split 128,128,64,8,8,4,2 --part-timeout leaves=190 --out "$out/sweep_split" ;;
     bench_engine) step bench_engine 590 python3 -m jengine.cli bench --parts engine --part-timeout 285 --out "$out/bench_engine" ;;
+    bench_engine_auto) step bench_engine_auto 220 python3 -m jengine.cli bench --parts engine --numerics auto --part-timeout 210 --out "$out/bench_engine_auto" ;;
     bench_engine_rl) step bench_engine_rl 300 python3 -m jengine.cli bench --parts engine --numerics rl-bitwise --part-timeout 285 --out "$out/bench_engine_rl" ;;
     bench_e2e_auto) step bench_e2e_auto 420 python3 -m jengine.cli bench --parts engine server --numerics auto --loop-batch 0 --part-timeout 280 --out "$out/bench_e2e_auto" ;;
     bench_e2e_hold*) step "$s" 420 python3 -m jengine.cli bench --parts engine server --numerics auto --loop-batch 0 --output-hold-ms "${s#bench_e2e_hold}" --part-timeout 280 --out "$out/$s" ;;
