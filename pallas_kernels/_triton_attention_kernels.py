@@ -1,4 +1,5 @@
-"""The @triton.jit sources of the GPU attention leaf (pallas_kernels/triton_attention.py).
+"""The @triton.jit sources of the GPU attention leaf (pallas_kernels/triton_attention.py), and at
+the end the kernel of the step before it: RoPE and the K/V page write (triton_rope_write.py).
 
 The numbers a query row gets are defined by one algorithm, whatever the schedule:
 
