@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from pallas_kernels._triton_kernels import expf as _expf
+from pallas_kernels._triton_kernels import last_to_arrive
 
 
 @triton.jit
@@ -212,12 +213,7 @@ def attention_split_kernel(
             base0 = (tile.to(tl.int64) * HKV + h) * NSPLIT * ROWS
             _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0 + split * ROWS, m, l,
                             acc, ROWS, D)
-            # Every thread's stores happen before the count (barrier); the count releases them to
-            # the GPU, and the last program's count acquires the other programs' (as the GEMM's
-            # fused split-K reduce does); its loads then bypass L1 (.cg).
-            tl.debug_barrier()
-            arrived = tl.atomic_add(sem_ptr + tile * HKV + h, 1, sem="acq_rel", scope="gpu")
-            if arrived == max_pos // SPLIT:
+            if last_to_arrive(sem_ptr + tile * HKV + h, max_pos // SPLIT + 1):
                 big_l, big_acc = _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0,
                                                  max_pos, row_pos, ROWS, D, SPLIT, ".cg")
                 _store_out(out_ptr, big_l, big_acc, g, ok, tok, h, HQ, G, D)

@@ -55,6 +55,18 @@ else:
         """libdevice __nv_rsqrtf: the function XLA and torch call."""
         return libdevice.rsqrt(x)
 
+
+@triton.jit
+def last_to_arrive(sem_ptr, count):
+    """Count this program in the zeroed int32 at sem_ptr; True in the `count`-th to arrive. Every
+    thread's stores happen before the count (barrier), the count releases them to the GPU and the
+    last program's count acquires every other program's: it may then read what they stored
+    (bypassing L1: .cg loads). A launch that splits one output over programs merges it in its
+    last program this way -- the GEMM's fused split-K reduce, the split attention's merge."""
+    tl.debug_barrier()
+    return tl.atomic_add(sem_ptr, 1, sem="acq_rel", scope="gpu") == count - 1
+
+
 # -- GEMM ------------------------------------------------------------------------------------------
 
 
@@ -118,11 +130,7 @@ def _gemm_tile(x_ptr, w_ptr, bias_ptr, out_ptr, M, pid_m, pid_n, chunk,
         in_tile = rm[:, None] * N + offs_n[None, :]
         tl.store(tile_base + chunk.to(tl.int64) * M * N + in_tile, acc, mask=row_ok & col_ok)
         if FUSED:
-            # Every thread's store happens before the count (barrier), the count releases them
-            # to the GPU and the last program's count acquires every other program's.
-            tl.debug_barrier()
-            arrived = tl.atomic_add(sem_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
-            if arrived == KSPLIT - 1:
+            if last_to_arrive(sem_ptr + tile_id, KSPLIT):
                 # M * N in 64 bits (tl.cast: M may arrive as the constant 1, jax-triton
                 # specializes it, and a constant has no .to).
                 chunk_elems = tl.cast(M, tl.int64) * N
