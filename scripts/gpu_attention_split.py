@@ -66,6 +66,16 @@ def split_launch(case, warps, stages, split=None):
     return run, out
 
 
+def measure(launch, case, cfg, ref):
+    """(rows differing from ref, device us, error) of `launch(case, *cfg)`; a config that does
+    not compile is a result, not a failure."""
+    try:
+        run, out = launch(case, *cfg)
+        return rows_exp.rows_differ(ref, out), device_us(run), None
+    except Exception as exc:  # noqa: BLE001
+        return None, None, f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
 def serial_launch(case, warps, stages):
     """The leaf's serial schedule (every step of more than SPLIT_MAX_ROWS rows) with these launch
     settings: (run, output), as split_launch."""
@@ -99,11 +109,7 @@ def serial_main(args) -> int:
         case = widen(case, 40 if args.smoke else ENGINE_WIDTH)
         ref = serial_launch(case, *TODAY)[1]
         for cfg in configs:
-            try:
-                run, out = serial_launch(case, *cfg)
-                n, us, err = rows_exp.rows_differ(ref, out), device_us(run), None
-            except Exception as exc:  # noqa: BLE001 -- a config that does not compile is a result
-                n, us, err = None, None, f"{type(exc).__name__}: {str(exc)[:200]}"
+            n, us, err = measure(serial_launch, case, cfg, ref)
             rows.append({"case": name, "warps": cfg[0], "stages": cfg[1], "rows_differ": n,
                          "us": us, "error": err})
             print(f"   {name} serial w{cfg[0]} s{cfg[1]}: differ {n} rows, "
@@ -190,13 +196,7 @@ def main() -> int:
             print(f"   SPLIT {split} (auto only): {rows[-1]['us']:.1f} us, differ "
                   f"{rows[-1]['rows_differ']} rows", flush=True)
         for cfg in configs:
-            try:
-                run, out = split_launch(case, *cfg)
-                n = rows_exp.rows_differ(ref, out)
-                us = device_us(run)
-                err = None
-            except Exception as exc:  # noqa: BLE001 -- a config that does not compile is a result
-                n, us, err = None, None, f"{type(exc).__name__}: {str(exc)[:200]}"
+            n, us, err = measure(split_launch, case, cfg, ref)
             rows.append(dict(case=name, split_warps=cfg[0], split_stages=cfg[1], rows_differ=n,
                              us=us, vs_serial=vs_serial, control_rows_differ=control, error=err))
             print(f"   split w{cfg[0]} s{cfg[1]}: differ {n} rows, "
