@@ -109,7 +109,7 @@ def _tile(name: str, spec) -> GemmTile:
     if unknown:
         raise TileTableError(f"tile {name!r}: unknown fields {unknown} (known: {sorted(fields)})")
     for key, value in values.items():
-        want = bool if key in ("split_at_every_m", "fused_reduce") else int
+        want = bool if fields[key] == "bool" else int  # the field's declared type
         if type(value) is not want:
             raise TileTableError(f"tile {name!r}: {key}={value!r} must be {want.__name__}")
     try:
