@@ -7,6 +7,7 @@ modules import and register nothing.
 """
 
 from pallas_kernels import registry  # noqa: F401
+from pallas_kernels._triton_launch import counter_chain  # noqa: F401  (a model step's scope)
 from pallas_kernels import (activation, attention, gemm, logprobs, mla_attention,  # noqa: F401
                             moe_grouped_gemm, moe_router, moe_router_grouped, rmsnorm, rope_write,
                             sampling)

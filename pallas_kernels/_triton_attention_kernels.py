@@ -188,13 +188,14 @@ def attention_serial_kernel(
 @triton.jit(do_not_specialize=["num_tiles", "page_size", "table_width"])
 def attention_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, tiles_ptr, num_tiles, page_size, table_width, scale,
-    part_m_ptr, part_l_ptr, part_acc_ptr, sem_ptr, out_ptr,
+    sem_in_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, sem_ptr,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, TPP: tl.constexpr,
     D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
     NSPLIT: tl.constexpr,
 ):
     """Grid (tiles, HKV, NSPLIT): one split of one tile per program, its state stored to the
-    partials [tile, h, split, row]; sem_ptr: one zeroed int32 per (tile, h). The last of a tile's
+    partials [tile, h, split, row]; sem_ptr: one int32 counter per (tile, h) (last_to_arrive;
+    sem_in_ptr is the same buffer: _triton_launch.Counters). The last of a tile's
     live splits to count itself there merges the stored states in split order (the serial
     kernel's `_merge` on the same values: the same bits) and writes out_ptr -- one launch where a
     separate merge kernel took a second (32 launches fewer per decode step of an 8B model)."""

@@ -22,8 +22,9 @@ Arithmetic choices that keep the bits independent of the row count and faithful 
 * Sums over a row are the lead's halving tree (pallas_kernels/fixed_order.tree_sum): pad to a power
   of two with zeros, then repeatedly add the upper half onto the lower half.
 
-Argument order: inputs (arrays, then scalars), then outputs, then constexprs, because jax-triton
-appends the output pointers after every positional input.
+Argument order: inputs (arrays, then scalars; a launch's counters -- `_triton_launch.Counters` --
+last), then outputs, then constexprs, because jax-triton appends the output pointers after every
+positional input.
 """
 
 from __future__ import annotations
@@ -58,13 +59,19 @@ else:
 
 @triton.jit
 def last_to_arrive(sem_ptr, count):
-    """Count this program in the zeroed int32 at sem_ptr; True in the `count`-th to arrive. Every
-    thread's stores happen before the count (barrier), the count releases them to the GPU and the
-    last program's count acquires every other program's: it may then read what they stored
-    (bypassing L1: .cg loads). A launch that splits one output over programs merges it in its
-    last program this way -- the GEMM's fused split-K reduce, the split attention's merge."""
+    """Count this program in the int32 at sem_ptr (zero when the launch starts); True in the
+    `count`-th to arrive, which also puts the counter back to zero -- every other program has
+    counted by then, so the launch leaves its counters as it found them and the next launch may
+    count in the same buffer without a memset (_triton_launch.Counters). Every thread's stores
+    happen before the count (barrier), the count releases them to the GPU and the last program's
+    count acquires every other program's: it may then read what they stored (bypassing L1: .cg
+    loads). A launch that splits one output over programs merges it in its last program this
+    way -- the GEMM's fused split-K reduce, the split attention's merge."""
     tl.debug_barrier()
-    return tl.atomic_add(sem_ptr, 1, sem="acq_rel", scope="gpu") == count - 1
+    last = tl.atomic_add(sem_ptr, 1, sem="acq_rel", scope="gpu") == count - 1
+    if last:
+        tl.atomic_xchg(sem_ptr, 0, sem="relaxed", scope="gpu")
+    return last
 
 
 # -- GEMM ------------------------------------------------------------------------------------------
@@ -112,7 +119,7 @@ def _gemm_tile(x_ptr, w_ptr, bias_ptr, out_ptr, M, pid_m, pid_n, chunk,
     chunk `chunk`'s f32 sum into out_ptr[chunk, M, N] (split). The one body the GEMM kernels run.
 
     FUSED (split only): the reduce runs here instead of in gemm_reduce_kernel. Each program stores
-    its chunk, then counts itself in sem_ptr[tile_id] (zeroed before the launch); the program that
+    its chunk, then counts itself in sem_ptr[tile_id] (last_to_arrive); the program that
     arrives last adds the tile's KSPLIT chunks in order -- the reduce kernel's operations on the
     same values -- and writes final_ptr. One launch instead of two."""
     # 64-bit arithmetic only in the scalar tile base; in-tile offsets stay 32-bit (fewer registers).
@@ -195,7 +202,7 @@ def fixed_tile_gemm_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def fixed_tile_gemm_fused_kernel(
-    x_ptr, w_ptr, bias_ptr, M, part_ptr, out_ptr, sem_ptr,
+    x_ptr, w_ptr, bias_ptr, M, sem_in_ptr, part_ptr, out_ptr, sem_ptr,
     N: tl.constexpr, K: tl.constexpr,
     HAS_BIAS: tl.constexpr, IEEE_F32: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
@@ -203,7 +210,8 @@ def fixed_tile_gemm_fused_kernel(
 ):
     """fixed_tile_gemm_kernel's split schedule with its reduce inside (a tile's `fused_reduce`):
     chunks to part_ptr[KSPLIT, M, N], the last of a tile's KSPLIT programs adds them in order into
-    out_ptr; sem_ptr: one zeroed int32 per output tile. The same operations, so the same bits."""
+    out_ptr; sem_ptr: one int32 counter per output tile (_triton_launch.Counters: sem_in_ptr is
+    the same buffer). The same operations, so the same bits."""
     num_pid_n: tl.constexpr = (N + BN - 1) // BN
     pid_m, pid_n = _tile_of(tl.program_id(0), M, num_pid_n, BM, GROUP_M)
     EVEN_N: tl.constexpr = N % BN == 0
@@ -262,7 +270,7 @@ def grouped_gemm_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def grouped_gemm_fused_kernel(
-    x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, M,
+    x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, M, sem_in_ptr,
     p0_ptr, p1_ptr, p2_ptr, out0_ptr, out1_ptr, out2_ptr, sem_ptr,
     N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, K: tl.constexpr,
     HAS_BIAS: tl.constexpr, IEEE_F32: tl.constexpr,
@@ -270,8 +278,8 @@ def grouped_gemm_fused_kernel(
     KSPLIT: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     """grouped_gemm_kernel's split schedule with the reduce inside (fixed_tile_gemm_fused_kernel's
-    scheme per member): chunks to p_i[KSPLIT, M, N_i], the sums to out_i; sem_ptr: one zeroed
-    int32 per (row tile, column tile of the whole group)."""
+    scheme per member): chunks to p_i[KSPLIT, M, N_i], the sums to out_i; sem_ptr: one int32
+    counter per (row tile, column tile of the whole group), sem_in_ptr the same buffer."""
     pid_m, pid_n, in1, in2, n, tile_id = _group_program(M, N0, N1, N2, BM, BN, GROUP_M)
     _gemm_tile(x_ptr, _pick(in1, in2, w0_ptr, w1_ptr, w2_ptr),
                _pick(in1, in2, b0_ptr, b1_ptr, b2_ptr), _pick(in1, in2, p0_ptr, p1_ptr, p2_ptr),

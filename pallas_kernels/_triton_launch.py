@@ -11,6 +11,8 @@ the first two, and serving never needs torch.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib.util
 from typing import Any, Sequence
 
@@ -155,27 +157,99 @@ def _register_ffi_lowering(jt) -> None:
     _ffi_lowering_registered = True
 
 
+class Counters:
+    """A launch's arrival counters: `size` int32s that are zero when the kernel starts and that it
+    leaves zero (`last_to_arrive` resets each one as its last program arrives). Passed as a
+    launch's last input; the launcher appends the same buffer as the last output (the kernel gets
+    both pointers and counts through the output's) and keeps it away from the caller's results.
+
+    Why a buffer threaded from launch to launch instead of zeroing a fresh one per launch (what
+    jax-triton's `zeroed_outputs` did): in an rl-bitwise decode step of an 8B model that was 128
+    memsets, each its own operation on the stream between two kernels. Inside `counter_chain()`
+    (the model step opens it) every counting launch takes the chain's buffer and hands back its
+    aliased output, so the step zeroes one buffer once; outside a chain each launch gets fresh
+    zeros, as before."""
+
+    def __init__(self, size: int):
+        self.size = int(size)
+
+
+_CHAIN: contextvars.ContextVar[list | None] = contextvars.ContextVar("counter_chain",
+                                                                     default=None)
+
+
+@contextlib.contextmanager
+def counter_chain():
+    """Thread one counter buffer through every `Counters` launch traced inside (one trace: the
+    step's body; a launch traced under another transformation inside it would leak a tracer, and
+    JAX says so). The buffer grows -- a fresh zeroed one -- when a launch needs more counters."""
+    token = _CHAIN.set([None])
+    try:
+        yield
+    finally:
+        _CHAIN.reset(token)
+
+
+def _take_counters(size: int):
+    box = _CHAIN.get()
+    held = None if box is None else box[0]
+    if held is not None and held.shape[0] >= size:
+        return held
+    return jnp.zeros((size,), jnp.int32)
+
+
+def _give_counters(buffer) -> None:
+    box = _CHAIN.get()
+    if box is not None:
+        box[0] = buffer
+
+
 def jax_launch(kernel, inputs: Sequence[Any], out_shapes, grid, *, num_warps: int,
                num_stages: int, enable_fp_fusion: bool = True, zeroed_outputs: Sequence[int] = (),
                input_output_aliases: dict[int, int] | None = None, **constexprs):
-    """Launch `kernel` from JAX. `inputs` are arrays then Python scalars, in kernel order.
+    """Launch `kernel` from JAX. `inputs` are arrays and Python scalars, in kernel order; a
+    `Counters` may be the last (see there).
     enable_fp_fusion=False: no mul+add contraction (LLVM contract off, ptxas --fmad=false).
     zeroed_outputs: indices of outputs set to zero before the launch (in the same custom call).
     input_output_aliases: {array input index: output index}, an output that is its input's buffer
     (updated in place where XLA can donate it; the kernel gets both pointers)."""
     jt = import_jax_triton()
     _register_ffi_lowering(jt)
-    return jt.triton_call(*inputs, kernel=kernel, out_shape=out_shapes, grid=grid,
-                          num_warps=num_warps, num_stages=num_stages,
-                          enable_fp_fusion=enable_fp_fusion, zeroed_outputs=tuple(zeroed_outputs),
-                          input_output_aliases=input_output_aliases,
-                          custom_call_target_name=custom_call_target(), **constexprs)
+    inputs = list(inputs)
+    counters = inputs[-1] if inputs and isinstance(inputs[-1], Counters) else None
+    single = not isinstance(out_shapes, (tuple, list))
+    outs = [out_shapes] if single else list(out_shapes)
+    aliases = dict(input_output_aliases or {})
+    if counters is not None:
+        buffer = _take_counters(counters.size)
+        inputs[-1] = buffer
+        aliases[sum(not isinstance(a, (bool, int, float, np.floating)) for a in inputs) - 1] = \
+            len(outs)
+        outs.append(jax.ShapeDtypeStruct(buffer.shape, jnp.int32))
+    results = jt.triton_call(*inputs, kernel=kernel, out_shape=tuple(outs), grid=grid,
+                             num_warps=num_warps, num_stages=num_stages,
+                             enable_fp_fusion=enable_fp_fusion,
+                             zeroed_outputs=tuple(zeroed_outputs), input_output_aliases=aliases,
+                             custom_call_target_name=custom_call_target(), **constexprs)
+    results = list(results)
+    if counters is not None:
+        _give_counters(results.pop())
+    return results[0] if single else tuple(results)
 
 
 def torch_launch(kernel, inputs: Sequence[Any], outputs: Sequence[Any], grid, *, num_warps: int,
                  num_stages: int, enable_fp_fusion: bool = True, **constexprs):
-    """Launch the same `kernel` on torch tensors (outputs preallocated by the caller)."""
-    kernel[grid](*inputs, *outputs, num_warps=num_warps, num_stages=num_stages,
+    """Launch the same `kernel` on torch tensors (outputs preallocated by the caller). A last
+    input `Counters` becomes a zeroed int32 tensor, passed as the last output too."""
+    inputs = list(inputs)
+    extra = ()
+    if inputs and isinstance(inputs[-1], Counters):
+        import torch
+
+        device = next(a.device for a in inputs if isinstance(a, torch.Tensor))
+        inputs[-1] = torch.zeros(inputs[-1].size, dtype=torch.int32, device=device)
+        extra = (inputs[-1],)
+    kernel[grid](*inputs, *outputs, *extra, num_warps=num_warps, num_stages=num_stages,
                  enable_fp_fusion=enable_fp_fusion, **constexprs)
     return outputs
 

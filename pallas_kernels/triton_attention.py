@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels._triton_launch import (INVARIANT, cdiv, contiguous, dtype_name, jax_launch,
-                                           require_cuda_tensors, torch_launch, triton_available)
+from pallas_kernels._triton_launch import (INVARIANT, Counters, cdiv, contiguous, dtype_name,
+                                           jax_launch, require_cuda_tensors, torch_launch,
+                                           triton_available)
 from pallas_kernels.fixed_order import next_pow2
 from pallas_kernels.registry import Priority, register
 
@@ -156,13 +157,11 @@ def paged_attention_triton(q, kv, block_tables, token_req, positions, *, scale,
     nsplit = cdiv(page_size * width, SPLIT)
     rows = c["TPP"] * c["GP"]
     n = t * c["HKV"] * nsplit * rows
-    *_, out = jax_launch(k.attention_split_kernel, inputs,
+    *_, out = jax_launch(k.attention_split_kernel, (*inputs, Counters(t * c["HKV"])),
                          (jax.ShapeDtypeStruct((n,), jnp.float32),
                           jax.ShapeDtypeStruct((n,), jnp.float32),
-                          jax.ShapeDtypeStruct((n, c["D"]), jnp.float32),
-                          jax.ShapeDtypeStruct((t * c["HKV"],), jnp.int32), out),
-                         (t, c["HKV"], nsplit), zeroed_outputs=(3,), **launch, **c,
-                         NSPLIT=nsplit)
+                          jax.ShapeDtypeStruct((n, c["D"]), jnp.float32), out),
+                         (t, c["HKV"], nsplit), **launch, **c, NSPLIT=nsplit)
     return out
 
 
@@ -214,9 +213,8 @@ def paged_attention_triton_torch(q, kv, block_tables, token_req, positions, *, s
     parts = (torch.empty(n, dtype=torch.float32, device=q.device),
              torch.empty(n, dtype=torch.float32, device=q.device),
              torch.empty(n, c["D"], dtype=torch.float32, device=q.device))
-    sems = torch.zeros(t * c["HKV"], dtype=torch.int32, device=q.device)
-    torch_launch(k.attention_split_kernel, inputs, (*parts, sems, out), (t, c["HKV"], nsplit),
-                 **launch, **c, NSPLIT=nsplit)
+    torch_launch(k.attention_split_kernel, (*inputs, Counters(t * c["HKV"])), (*parts, out),
+                 (t, c["HKV"], nsplit), **launch, **c, NSPLIT=nsplit)
     return out
 
 

@@ -37,8 +37,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._triton_launch import (INVARIANT, cdiv, contiguous, dtype_name, jax_launch,
-                                           kernels, require_cuda_tensors, torch_dtype,
+from pallas_kernels._triton_launch import (INVARIANT, Counters, cdiv, contiguous, dtype_name,
+                                           jax_launch, kernels, require_cuda_tensors, torch_dtype,
                                            torch_launch, triton_available)
 from pallas_kernels.gemm import FORMATS
 from pallas_kernels.registry import Priority, register
@@ -118,10 +118,8 @@ def gemm_triton(x, w, bias=None, *, out_dtype, tile: GemmTile | None = None,
                           **consts)
     parts = jax.ShapeDtypeStruct((tile.k_split, m, n), jnp.float32)
     if tile.fused_reduce:
-        sems = jax.ShapeDtypeStruct((grid[0],), jnp.int32)
-        return jax_launch(kernels().fixed_tile_gemm_fused_kernel, (x, w, b, m),
-                          (parts, out, sems), grid, zeroed_outputs=(2,), **warps,
-                          **_fused(consts))[1]
+        return jax_launch(kernels().fixed_tile_gemm_fused_kernel, (x, w, b, m, Counters(grid[0])),
+                          (parts, out), grid, **warps, **_fused(consts))[1]
     parts = jax_launch(kernels().fixed_tile_gemm_kernel, (x, w, b, m), parts, grid, **warps,
                        **consts)
     return jax_launch(kernels().gemm_reduce_kernel, (parts, b, m), out, reduce[0], num_warps=4,
@@ -151,9 +149,8 @@ def gemm_triton_torch(x, w, bias=None, *, out_dtype, tile: GemmTile | None = Non
         return out
     parts = torch.empty((tile.k_split, m, n), dtype=torch.float32, device=x.device)
     if tile.fused_reduce:
-        sems = torch.zeros(grid[0], dtype=torch.int32, device=x.device)
-        torch_launch(kernels().fixed_tile_gemm_fused_kernel, (x, w, b, m), (parts, out, sems),
-                     grid, **warps, **_fused(consts))
+        torch_launch(kernels().fixed_tile_gemm_fused_kernel, (x, w, b, m, Counters(grid[0])),
+                     (parts, out), grid, **warps, **_fused(consts))
         return out
     torch_launch(kernels().fixed_tile_gemm_kernel, (x, w, b, m), (parts,), grid, **warps, **consts)
     torch_launch(kernels().gemm_reduce_kernel, (parts, b, m), (out,), reduce[0], num_warps=4,
@@ -229,9 +226,8 @@ def gemm_group_triton(x, ws, biases=None, *, out_dtype, schedule: str | None = N
     parts = _pad3([jax.ShapeDtypeStruct((tile.k_split, m, n), jnp.float32) for n in ns],
                   unused_part)
     if tile.fused_reduce:
-        sems = jax.ShapeDtypeStruct((grid[0],), jnp.int32)
-        res = jax_launch(kernels().grouped_gemm_fused_kernel, (x, *w3, *b3, m),
-                         (*parts, *outs, sems), grid, zeroed_outputs=(6,), **warps,
+        res = jax_launch(kernels().grouped_gemm_fused_kernel,
+                         (x, *w3, *b3, m, Counters(grid[0])), (*parts, *outs), grid, **warps,
                          **_fused(consts))
         return tuple(res[3:3 + len(ns)])
     parts = jax_launch(kernels().grouped_gemm_kernel, (x, *w3, *b3, m), parts, grid, **warps,
@@ -276,9 +272,8 @@ def gemm_group_triton_torch(x, ws, biases=None, *, out_dtype, schedule: str | No
         return tuple(outs)
     parts = [torch.empty((tile.k_split, m, n), dtype=torch.float32, device=x.device) for n in ns]
     if tile.fused_reduce:
-        sems = torch.zeros(grid[0], dtype=torch.int32, device=x.device)
-        torch_launch(kernels().grouped_gemm_fused_kernel, (x, *w3, *b3, m),
-                     (*_pad3(parts, unused_part), *_pad3(outs, unused), sems), grid, **warps,
+        torch_launch(kernels().grouped_gemm_fused_kernel, (x, *w3, *b3, m, Counters(grid[0])),
+                     (*_pad3(parts, unused_part), *_pad3(outs, unused)), grid, **warps,
                      **_fused(consts))
         return tuple(outs)
     torch_launch(kernels().grouped_gemm_kernel, (x, *w3, *b3, m), _pad3(parts, unused_part), grid,

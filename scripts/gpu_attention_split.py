@@ -41,9 +41,9 @@ def widen(case, width):
 
 
 def split_launch(case, warps, stages, split=None):
-    """The leaf's split schedule with these launch settings: (run, output). `run` zeroes the
-    counters and launches the kernel (tiles and buffers are made once), so a CUDA graph of it
-    times the device."""
+    """The leaf's split schedule with these launch settings: (run, output). `run` launches the
+    kernel on buffers made once -- its counters zeroed once: each launch leaves them zero, as in
+    the engine's step -- so a CUDA graph of it times the device."""
     q, k, v, table, req, pos = case
     c = dict(ta._constexprs(q, k), SPLIT=split or ta.SPLIT)
     tiles = ta.tiles_torch(req, pos, c["TPP"])
@@ -58,10 +58,9 @@ def split_launch(case, warps, stages, split=None):
     sems = torch.zeros(t * c["HKV"], dtype=torch.int32, device=q.device)
 
     def run():
-        sems.zero_()
-        rows_exp.torch_launch(ta.kernels().attention_split_kernel, inputs, (*parts, sems, out),
-                              (t, c["HKV"], nsplit), num_warps=warps, num_stages=stages,
-                              enable_fp_fusion=False, **c, NSPLIT=nsplit)
+        rows_exp.torch_launch(ta.kernels().attention_split_kernel, (*inputs, sems),
+                              (*parts, out, sems), (t, c["HKV"], nsplit), num_warps=warps,
+                              num_stages=stages, enable_fp_fusion=False, **c, NSPLIT=nsplit)
     run()
     return run, out
 

@@ -82,7 +82,8 @@ def gemm_kernels():
                 fused = {key: v for key, v in common.items() if key != "PARTIAL"}
                 if len(members) == 1:
                     args = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", M="i32",
-                                part_ptr="*fp32", out_ptr="*bf16", sem_ptr="*i32")
+                                sem_in_ptr="*i32", part_ptr="*fp32", out_ptr="*bf16",
+                                sem_ptr="*i32")
                     yield (label + " fused", K.fixed_tile_gemm_fused_kernel, args,
                            dict(N=n, **fused), tile)
                     # M = 1 arrives as a constant from jax-triton (it specializes scalars of 1).
@@ -92,6 +93,7 @@ def gemm_kernels():
                 else:
                     args = {**{p: "*bf16" for p in ("x_ptr", "w0_ptr", "w1_ptr", "w2_ptr",
                                                    "b0_ptr", "b1_ptr", "b2_ptr")}, "M": "i32",
+                            "sem_in_ptr": "*i32",
                             **{p: "*fp32" for p in ("p0_ptr", "p1_ptr", "p2_ptr")},
                             **{p: "*bf16" for p in ("out0_ptr", "out1_ptr", "out2_ptr")},
                             "sem_ptr": "*i32"}
@@ -125,8 +127,8 @@ def attention_kernels():
             label = f"attention hq={hq} hkv={hkv} D={d} {dtype}"
             yield (label + " serial", K.attention_serial_kernel,
                    dict(inputs, out_ptr=f"*{dtype}"), c, launch)
-            parts = {"part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32",
-                     "sem_ptr": "*i32", "out_ptr": f"*{dtype}"}
+            parts = {"sem_in_ptr": "*i32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
+                     "part_acc_ptr": "*fp32", "out_ptr": f"*{dtype}", "sem_ptr": "*i32"}
             yield (label + " split", K.attention_split_kernel, dict(inputs, **parts),
                    dict(c, NSPLIT=8), launch)
             rope = {**{p: f"*{dtype}" for p in ("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr")},

@@ -134,14 +134,10 @@ def test_negative_control_another_split_size_changes_the_bits(setup, monkeypatch
     assert count_bit_differences(before, after) > 0
 
 
-def test_negative_control_the_split_merge_waits_for_every_split(setup):
-    """The split schedule's merge runs in the last of a tile's programs to count itself (a zeroed
-    int32 per tile and KV head). With every counter starting at 1 instead, the next-to-last
-    program merges -- one split's state not yet stored (zeros here) -- and the rows differ: the
-    schedules' agreement above is not an accident of program order."""
+def _split_launch(setup, rows, sems):
+    """attention_split_kernel over `rows` on the given counters (an int: all of them start there):
+    (output, counters after the launch)."""
     k, v, tables, seqs, q, lengths = setup
-    rows = [(1, p) for p in range(280, 300)]  # positions past SPLIT: two splits per row
-    split = _step(_q(q, rows), (k, v, tables), rows, schedule="split")
     qr = _q(q, rows)
     req = torch.ones(len(rows), dtype=torch.int32)
     pos = torch.tensor([p for _, p in rows], dtype=torch.int32)
@@ -152,12 +148,40 @@ def test_negative_control_the_split_merge_waits_for_every_split(setup):
     n = t * c["HKV"] * nsplit * c["TPP"] * c["GP"]
     parts = (torch.zeros(n), torch.zeros(n), torch.zeros(n, c["D"]))
     out = torch.zeros_like(qr)
-    sems = torch.ones(t * c["HKV"], dtype=torch.int32)
+    if isinstance(sems, int):
+        sems = torch.full((t * c["HKV"],), sems, dtype=torch.int32)
     ta.torch_launch(ta.kernels().attention_split_kernel,
-                    (qr, k, v, tables, pos, tiles, t, page_size, width, SCALE),
-                    (*parts, sems, out), (t, c["HKV"], nsplit), num_warps=ta.NUM_WARPS,
+                    (qr, k, v, tables, pos, tiles, t, page_size, width, SCALE, sems),
+                    (*parts, out, sems), (t, c["HKV"], nsplit), num_warps=ta.NUM_WARPS,
                     num_stages=ta.NUM_STAGES, enable_fp_fusion=False, **c, NSPLIT=nsplit)
-    assert count_bit_differences(split, out.numpy()) > 0
+    return out.numpy(), sems
+
+
+def test_the_split_merge_leaves_its_counters_zero(setup):
+    """The merging program puts its (tile, KV head) counter back to zero, so the step threads one
+    counter buffer through its launches without a memset between them (_triton_launch.Counters):
+    a second launch on the same counters, not re-zeroed, gives the same bits."""
+    k, v, tables, seqs, q, lengths = setup
+    rows = [(1, p) for p in range(280, 300)]  # positions past SPLIT: two splits per row
+    split = _step(_q(q, rows), (k, v, tables), rows, schedule="split")
+    out, sems = _split_launch(setup, rows, 0)
+    assert count_bit_differences(split, out) == 0 and int(sems.abs().sum()) == 0
+    again, sems = _split_launch(setup, rows, sems)
+    assert count_bit_differences(split, again) == 0 and int(sems.abs().sum()) == 0
+
+
+def test_negative_control_the_split_merge_waits_for_every_split(setup):
+    """The split schedule's merge runs in the last of a tile's programs to count itself (an int32
+    per tile and KV head, zero at the start). With every counter starting at 1 instead, the
+    next-to-last program merges -- one split's state not yet stored (zeros here) -- and the rows
+    differ: the schedules' agreement above is not an accident of program order. And the counters
+    end at 1 (the last split counts after the reset), so the zero check above can fail too."""
+    k, v, tables, seqs, q, lengths = setup
+    rows = [(1, p) for p in range(280, 300)]
+    split = _step(_q(q, rows), (k, v, tables), rows, schedule="split")
+    out, sems = _split_launch(setup, rows, 1)
+    assert count_bit_differences(split, out) > 0
+    assert (sems == 1).all()
 
 
 def test_tiles_are_the_same_from_jax_and_torch():

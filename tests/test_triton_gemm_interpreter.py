@@ -84,23 +84,43 @@ def test_the_fused_reduce_keeps_every_bit(operands, members):
             assert count_bit_differences(alone, outs[i].numpy()) == 0, i
 
 
-def test_the_fused_reduce_negative_control_a_counter_one_ahead_differs(operands):
-    """The check above can fail: with every counter starting at 1 instead of 0, a tile's next-to-
-    last program already adds the chunks, one of them not yet stored, and its outputs differ."""
+def _fused_launch(x, w, bias, sems):
+    """fixed_tile_gemm_fused_kernel on the given counters: (output, counters after the launch)."""
     import dataclasses
 
-    x, w, _ = operands
     fused = dataclasses.replace(TILE, fused_reduce=True)
     m, k = x.shape
     n = w.shape[1]
-    (grid, consts), _ = triton_gemm._launches(m, k, n, x.dtype, None, fused, "split")
+    (grid, consts), _ = triton_gemm._launches(m, k, n, x.dtype, bias, fused, "split")
     parts = torch.zeros((fused.k_split, m, n), dtype=torch.float32)
     out = torch.zeros((m, n), dtype=torch.float32)
-    sems = torch.ones(grid[0], dtype=torch.int32)
-    triton_gemm.torch_launch(triton_gemm.kernels().fixed_tile_gemm_fused_kernel, (x, w, w, m),
-                             (parts, out, sems), grid, num_warps=4, num_stages=2,
-                             **triton_gemm._fused(consts))
-    assert count_bit_differences(_gemm(x, w, None, "split"), out.numpy()) > 0
+    sems = torch.full((grid[0],), sems, dtype=torch.int32) if isinstance(sems, int) else sems
+    triton_gemm.torch_launch(triton_gemm.kernels().fixed_tile_gemm_fused_kernel,
+                             (x, w, w if bias is None else bias, m, sems), (parts, out, sems),
+                             grid, num_warps=4, num_stages=2, **triton_gemm._fused(consts))
+    return out.numpy(), sems
+
+
+def test_the_fused_reduce_leaves_its_counters_zero(operands):
+    """Each tile's last program puts the tile's counter back to zero, so the step threads one
+    counter buffer through its launches without a memset between them (_triton_launch.Counters):
+    two launches on the same counters, not re-zeroed, give the unfused reduce's bits."""
+    x, w, b = operands
+    ref = _gemm(x, w, b, "split")
+    out, sems = _fused_launch(x, w, b, 0)
+    assert count_bit_differences(ref, out) == 0 and int(sems.abs().sum()) == 0
+    again, sems = _fused_launch(x, w, b, sems)
+    assert count_bit_differences(ref, again) == 0 and int(sems.abs().sum()) == 0
+
+
+def test_the_fused_reduce_negative_control_a_counter_one_ahead_differs(operands):
+    """The checks above can fail: with every counter starting at 1 instead of 0, a tile's next-to-
+    last program already adds the chunks, one of them not yet stored, and its outputs differ; and
+    the counters end at 1 (the last program counts after the reset), not zero."""
+    x, w, _ = operands
+    out, sems = _fused_launch(x, w, None, 1)
+    assert count_bit_differences(_gemm(x, w, None, "split"), out) > 0
+    assert (sems == 1).all()
 
 
 def test_negative_control_another_k_split_changes_the_bits(operands):

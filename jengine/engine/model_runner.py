@@ -43,6 +43,7 @@ from jengine.launch import RunnerConfig
 from jengine.models.kv_cache import NULL_PAGE
 from jengine.models.layers.param import OverlaySource, weight_source
 from jengine.models.registry import get_family
+from pallas_kernels import counter_chain
 from pallas_kernels.fixed_order import next_pow2
 
 logger = logging.getLogger(__name__)
@@ -203,9 +204,12 @@ class ModelRunner:
     # -- jitted bodies -----------------------------------------------------------------------------
     def _forward_impl(self, params, kv, input_ids, positions, token_req, block_tables):
         model = self._model(params)
-        if self.routing_shape:
-            return model.forward_routed(input_ids, positions, token_req, block_tables, kv)
-        return model(input_ids, positions, token_req, block_tables, kv)
+        # One counter buffer for the step's counting launches (the Triton GEMMs' fused reduce,
+        # the split attention's merge) instead of a memset before each: _triton_launch.Counters.
+        with counter_chain():
+            if self.routing_shape:
+                return model.forward_routed(input_ids, positions, token_req, block_tables, kv)
+            return model(input_ids, positions, token_req, block_tables, kv)
 
     def _logits_rows_impl(self, head, hidden, rows):
         # The program takes the LM head alone: the runtime holds and checks every buffer a call
@@ -344,7 +348,8 @@ class ModelRunner:
         def run(params, kv, *inputs):
             model = self._model(params)
             finish = instrument(model)
-            hidden, _ = model(*inputs, kv)
+            with counter_chain():
+                hidden, _ = model(*inputs, kv)
             return hidden, finish()
 
         return jax.jit(run)(self._params, kv, *inputs)
