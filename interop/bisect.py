@@ -38,6 +38,10 @@ class _Recorder:
             biases = args[2] if len(args) > 2 else kwargs.get("biases")
             for i, (w, o) in enumerate(zip(ws, out)):
                 self.log.append(("gemm", (x, w, None if biases is None else biases[i]), o))
+        elif self.kind == "silu" and kwargs.get("times") is not None:
+            # SwiGLU's one-leaf silu(gate) * up: the trainer's act_fn is the SiLU alone (its
+            # product with up is recorded as down_proj's input), so log that, computed aside.
+            self.log.append(("silu", args, self.plan(*args)))
         else:
             self.log.append((self.kind, args, out))
         return out

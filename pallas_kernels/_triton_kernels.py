@@ -45,6 +45,10 @@ if interpreting():
     @triton.jit
     def rsqrtf(x):
         return tl.rsqrt(x)
+
+    @triton.jit
+    def mul_f32(a, b):
+        return a * b
 else:
     @triton.jit
     def expf(x):
@@ -55,6 +59,16 @@ else:
     def rsqrtf(x):
         """libdevice __nv_rsqrtf: the function XLA and torch call."""
         return libdevice.rsqrt(x)
+
+    @triton.jit
+    def mul_f32(a, b):
+        """a * b in f32, rounded to f32 (mul.rn.f32), whatever is done with it next. Written as
+        PTX because the compiler narrows `(a.to(f32) * b.to(f32)).to(bf16)` of bf16 a, b to one
+        bf16 multiply (mul.bf16, seen in the sm_90 PTX): one rounding where torch's bf16 multiply
+        (f32 math, then a rounding to bf16) has two -- different bits where the f32 product is
+        subnormal."""
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -439,14 +453,18 @@ def add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, eps, out_ptr, new_res_ptr,
 
 
 @triton.jit
-def silu_kernel(x_ptr, n, out_ptr, BLOCK: tl.constexpr):
-    """x / (1 + exp(-x)) in f32, rounded once: torch's ActivationSiluKernel form."""
+def silu_kernel(x_ptr, up_ptr, n, out_ptr, BLOCK: tl.constexpr, HAS_TIMES: tl.constexpr):
+    """x / (1 + exp(-x)) in f32, rounded once: torch's ActivationSiluKernel form. HAS_TIMES: that
+    rounded value times up, in f32, rounded again (SwiGLU's act(gate) * up, two roundings)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     x = tl.load(x_ptr + offs, mask=ok, other=0.0)
     xf = x.to(tl.float32)
-    y = tl.math.div_rn(xf, 1.0 + libdevice.exp(-xf))
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
+    y = tl.math.div_rn(xf, 1.0 + expf(-xf)).to(out_ptr.dtype.element_ty)
+    if HAS_TIMES:
+        up = tl.load(up_ptr + offs, mask=ok, other=0.0)
+        y = mul_f32(y.to(tl.float32), up.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, y, mask=ok)
 
 
 # -- block_sumexp ----------------------------------------------------------------------------------

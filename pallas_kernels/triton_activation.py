@@ -5,7 +5,9 @@ torch CUDA uses: libdevice __nv_expf and IEEE division (div_rn). XLA's division 
 IEEE-rounded (platform-facts.md: 1/x differs from torch in 13 % of f32 inputs), so the jnp form run
 by XLA does not give these bits; this kernel, launched from JAX or from torch, does (measured on the
 H200: 0 of 7,340,032 outputs differ from torch's F.silu, bf16 and f32; docs/gpu-validation.md).
-Elementwise, so trivially batch-invariant.
+Elementwise, so trivially batch-invariant. ``times`` (SwiGLU's up): the SiLU rounded, then the
+product in f32 rounded again -- the bits of the separate multiply (an exact bf16 x bf16 product,
+one rounding), in the same launch.
 """
 
 from __future__ import annotations
@@ -21,33 +23,42 @@ FORMATS = {"bf16", "f32"}
 BLOCK = 1024
 
 
-def _check(x):
+def _check(x, times):
     if dtype_name(x.dtype) not in FORMATS:
         raise ValueError(f"silu: x.dtype={dtype_name(x.dtype)} must be one of {sorted(FORMATS)}")
+    if times is not None and (tuple(times.shape) != tuple(x.shape)
+                              or dtype_name(times.dtype) != dtype_name(x.dtype)):
+        raise ValueError(f"silu: times has shape {tuple(times.shape)} and dtype "
+                         f"{dtype_name(times.dtype)}; it must match x's {tuple(x.shape)} and "
+                         f"{dtype_name(x.dtype)}")
 
 
-def silu_triton(x):
-    _check(x)
+def silu_triton(x, *, times=None):
+    _check(x, times)
     n = x.size
     if n == 0:
         return x
     flat = x.reshape(-1)
+    # No times: x stands in for its pointer; HAS_TIMES=False means it is never read.
+    up = flat if times is None else times.reshape(-1)
     out = jax.ShapeDtypeStruct(flat.shape, x.dtype)
-    y = jax_launch(kernels().silu_kernel, (flat, n), out, (cdiv(n, BLOCK),), num_warps=4,
-                   num_stages=1, BLOCK=BLOCK)
+    y = jax_launch(kernels().silu_kernel, (flat, up, n), out, (cdiv(n, BLOCK),), num_warps=4,
+                   num_stages=1, BLOCK=BLOCK, HAS_TIMES=times is not None)
     return y.reshape(x.shape)
 
 
-def silu_triton_torch(x):
+def silu_triton_torch(x, *, times=None):
     import torch
 
-    _check(x)
-    require_cuda_tensors("silu_triton_torch", x)
+    _check(x, times)
+    require_cuda_tensors("silu_triton_torch", x, times)
     x = contiguous(x)
+    up = x if times is None else contiguous(times)
     out = torch.empty_like(x)
     if x.numel():
-        torch_launch(kernels().silu_kernel, (x, x.numel()), (out,), (cdiv(x.numel(), BLOCK),),
-                     num_warps=4, num_stages=1, BLOCK=BLOCK)
+        torch_launch(kernels().silu_kernel, (x, up, x.numel()), (out,),
+                     (cdiv(x.numel(), BLOCK),), num_warps=4, num_stages=1, BLOCK=BLOCK,
+                     HAS_TIMES=times is not None)
     return out
 
 

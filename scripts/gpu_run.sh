@@ -36,6 +36,8 @@
 #                  rope 64, 16/128 heads, ctx 1k/4k, bf16): paged == dense-causal, decode ==
 #                  prefill, chunked, bs-64 packing, JAX == torch launch, the GPU plans; decode
 #                  timings (bs 64) vs the portable and xla_native leaves -> mla_attention.md
+#   silu           scripts/gpu_validate.py --only silu: the SiLU leaf and its SwiGLU form (times up)
+#                  across M, torch launch (for times: the SiLU, then torch's multiply) == JAX launch
 #   sumexp         scripts/gpu_validate.py --only block_sumexp: block partials across M, torch
 #                  launch == JAX launch, vocabularies that are not whole blocks (last completed)
 #   gemm           scripts/gpu_validate.py --only gemm: GEMM rows across M (split and serial
@@ -200,6 +202,7 @@ for s in "$@"; do
     attention_rows) step attention_rows 240 python3 scripts/gpu_attention_rows.py --out "$out/attention_rows" ;;
     attention_timing) step attention_timing 150 python3 scripts/gpu_attention.py --skip-checks --out "$out" ;;
     gemm) step gemm 170 python3 scripts/gpu_validate.py --skip-harness --only gemm --out "$out/val" ;;
+    silu) step silu 150 python3 scripts/gpu_validate.py --skip-harness --only silu --out "$out/val_silu" ;;
     sumexp) step sumexp 150 python3 scripts/gpu_validate.py --skip-harness --only block_sumexp --out "$out/val_sumexp" ;;
     harness) step harness 170 python3 -m jengine.cli invariance --numerics rl-bitwise --max-new-tokens 8 ;;
     harness_auto) step harness_auto 150 python3 -m jengine.cli invariance --numerics auto --temperature 0 --max-new-tokens 8 ;;

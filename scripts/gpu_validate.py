@@ -231,6 +231,14 @@ def leaf_checks(quick: bool, only: str | None = None) -> tuple[list[dict], list]
                                  lambda x: x / (1 + np.exp(-x)), 1,
                                  f"silu {jnp.dtype(dtype).name} [{n_rows}x14336]",
                                  1e-2 if dtype == bf16 else 1e-6))
+        # SwiGLU's act(gate) * up in one launch; its torch side is the trainer's two ops (the SiLU
+        # kernel, then torch's multiply), so torch_vs_jax counts bits the fusion would change.
+        inputs = lambda: (rand((n_rows, 14336), dtype, 4.0), rand((n_rows, 14336), dtype))
+        results.append(row_check(lambda x, u: ta.silu_triton(x, times=u),
+                                 lambda x, u: ta.silu_triton_torch(x) * u, inputs,
+                                 lambda x, u: x / (1 + np.exp(-x)) * u, 2,
+                                 f"silu times up {jnp.dtype(dtype).name} [{n_rows}x14336] "
+                                 "(torch: silu, then *)", 2e-2 if dtype == bf16 else 1e-6))
     for v, block in ((131072, 32768), (131072, 16384), (151936, 32768), (128256, 16384)):
         inputs = lambda v=v: (rand((n_rows, v), f32, 3.0) - 12.0,)
 

@@ -137,6 +137,26 @@ def test_xla_native_silu_is_the_portable_leafs_program_on_the_cpu():
     assert count_bit_differences(want, other) > 0
 
 
+def test_silu_times_is_the_silu_then_the_multiply():
+    """SwiGLU's act(gate) * up in one leaf (the portable and auto's xla_native forms, and the torch
+    twin): the bits of the SiLU rounded to the dtype, then the product rounded again -- the
+    trainer's two ops. Control: the SiLU left unrounded before the product differs."""
+    from pallas_kernels._twin import to_torch
+
+    gate, up = bf16(64, 50, scale=4.0), bf16(64, 50)
+    want = np.asarray((jax.jit(activation.silu)(gate) * up).astype(jnp.float32))
+    for fn in (activation.silu, activation.silu_xla_native):
+        got = np.asarray(jax.jit(lambda g, u, fn=fn: fn(g, times=u))(gate, up).astype(jnp.float32))
+        assert count_bit_differences(want, got) == 0
+    twin = activation.silu_torch(to_torch(gate), times=to_torch(up))
+    assert count_bit_differences(want, twin.float().numpy()) == 0
+    g = np.asarray(gate, np.float32)
+    unrounded = (g / (1 + np.exp(-g)) * np.asarray(up, np.float32)).astype(jnp.bfloat16)
+    assert count_bit_differences(want, np.asarray(unrounded, np.float32)) > 0
+    with pytest.raises(ValueError, match="times has shape"):
+        activation.silu(gate, times=up[:3])
+
+
 # -- attention ------------------------------------------------------------------------------------
 
 PAGE, HQ, HKV, D = 4, 4, 2, 16

@@ -26,4 +26,6 @@ class SwiGLU(nnx.Module):
         column-parallel over "mlp"; down_proj is the "down" reduction site (row-parallel, or
         column-parallel on hidden under --tp-batch-invariant all)."""
         gate, up = linears(kern, x, (self.gate_proj, self.up_proj), out_dtype=dtype)
-        return self.down_proj(kern, kern.silu(gate) * up, out_dtype=dtype, tp=tp, site="down")
+        # silu(gate) * up in one leaf: the two roundings of HF's act_fn(gate) * up, one launch.
+        return self.down_proj(kern, kern.silu(gate, times=up), out_dtype=dtype, tp=tp,
+                              site="down")

@@ -188,7 +188,8 @@ class _Experts(nnx.Module):
             return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(dtype)
 
         row_weights = expert_row_weights(local_ids, weights, n)                    # [E, T]
-        hidden = kern.silu(einsum("th,ehi->eti", x, gate_w)) * einsum("th,ehi->eti", x, up_w)
+        hidden = kern.silu(einsum("th,ehi->eti", x, gate_w),
+                           times=einsum("th,ehi->eti", x, up_w))
         per_expert = einsum("eti,eih->eth", hidden * row_weights[:, :, None], down_w)
         rows = jnp.arange(x.shape[0])[:, None]
         mine = per_expert[jnp.clip(local_ids, 0, n - 1), rows]

@@ -51,6 +51,6 @@ def routed_expert_outputs(kern, x, ids, weights, gate_w, up_w, down_w, *, dtype,
     def grouped(a, w):
         return kern.grouped_gemm(a, w, tile_expert, block_rows=block_rows, out_dtype=dtype)
 
-    act = kern.silu(grouped(rows_x, gate_w)) * grouped(rows_x, up_w)
+    act = kern.silu(grouped(rows_x, gate_w), times=grouped(rows_x, up_w))
     scaled = (act.astype(jnp.float32) * rows_w[:, None]).astype(dtype)
     return grouped(scaled, down_w)[row_of_pair]
