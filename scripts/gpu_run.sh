@@ -55,7 +55,8 @@
 #   bench_model_rl the model rows of rl-bitwise alone (an A/B against another tree in one call)
 #   before_<step>  <step> run by the tree in .ab_before (an A/B's "before" on the same machine:
 #                  `rm -rf .ab_before && mkdir .ab_before && git archive REV | tar -x -C .ab_before`,
-#                  carry .ab_before); its table and archive in $out/before
+#                  carry .ab_before); its table and archive in $out/before_<step>.
+#   other_<step>   the same with .ab_other (a third tree)
 #   bench_leaves   jengine bench --parts roofline leaves (GEMM leaves per shape and M)
 #   sweep_prefill  GEMM tiles with k_split for q/o and down_proj at M = 1, 64, 4096 (prefill leads)
 #   sweep_split    the same with the split schedule forced at every M (large-M leads)
@@ -272,17 +273,19 @@ for s in "$@"; do
     harness_deepseek_auto) step harness_deepseek_auto 240 python3 scripts/gpu_harness_deepseek.py --out "$out/harness_deepseek_auto" --layers 3 --only auto --child-timeout 120 200 ;;
     mla_decode) step mla_decode 300 python3 scripts/gpu_mla_decode.py --out "$out/mla_decode" --layers 8 --child-timeout 70 ;;
     harness_prod_*) step "$s" 300 python3 -m jengine.cli invariance --model "/tmp/acceptance/${s#harness_prod_}" --numerics rl-bitwise --max-new-tokens 8 ;;
-    before_*)  # step ${s#before_} run by the "before" tree of an A/B on the same machine: .ab_before,
-      # made here by `git archive REV | tar -x -C .ab_before` and carried; results in $out/before
-      ln -sfn ../.whl .ab_before/.whl
-      (cd .ab_before && bash scripts/gpu_run.sh "$out/before" "${s#before_}" > "$out/$s.log" 2>&1)
-      echo "| $s | rc=$? | see before/summary.md |" | tee -a "$out/summary.md" ;;
+    before_*|other_*)  # step ${s#*_} run by another tree of an A/B on the same machine:
+      # .ab_before (or .ab_other), made here by `git archive REV | tar -x -C .ab_before` and
+      # carried; results in $out/$s (one folder per such step: a second would overwrite a first)
+      tree=${s%%_*}
+      ln -sfn ../.whl ".ab_$tree/.whl"
+      (cd ".ab_$tree" && bash scripts/gpu_run.sh "$out/$s" "${s#*_}" > "$out/$s.log" 2>&1)
+      echo "| $s | rc=$? | see $s/summary.md |" | tee -a "$out/summary.md" ;;
     *) echo "unknown step $s" | tee -a "$out/summary.md" ;;
   esac
 done
 for f in "$out"/*.log; do echo "== $f"; tail -n 8 "$f"; done
 # The device tool returns at most 8 files: everything goes back as one archive plus the summary.
-# (Folders stay -- a before_<step>'s holds its own summary.md -- unless empty.)
+# (Folders stay -- a before_<step>'s holds its own summary.md and archive -- unless empty.)
 tar czf /tmp/results.tar.gz -C "$out" . \
   && find "$out" -mindepth 1 ! -type d ! -name summary.md -delete \
   && find "$out" -mindepth 1 -type d -empty -delete \
