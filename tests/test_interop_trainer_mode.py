@@ -119,7 +119,7 @@ def test_twin_table_comes_from_the_planned_leaves():
     assert table.gemm is gemm.gemm_fixed_order_torch and table.silu is activation.silu_torch
     assert table.router_topk is moe_router.router_topk_torch_torch  # --router-topk torch's leaf
 
-    def twinless_silu(x):
+    def twinless_silu(x, *, times=None):
         return x
 
     register("activation", "silu", "test_twinless", formats={"bf16", "f32"}, hardware={"any"},
