@@ -20,6 +20,8 @@
 #   bench_model_decode  roofline + decode rows bs 1 / 64 of both numerics, 30 iterations
 #   gemm_prefill_tiles  the same script at prefill M (1024 / 4096): launch shapes and schedules
 #                  (serial, split, fused) on the entries' K chunks, and XLA's dot, timings only
+#   gemm_mid_m_tiles  the same script at M = 128 / 256 (decode bs 128 / 256, where the table has no
+#                  by_m rule): launch shapes and schedules on the entries' K chunks, XLA's dot; timings
 #   triton_call_ab_rl  rl-bitwise decode rows with jax-triton's legacy custom call, then the FFI
 #                  one (JENGINE_TRITON_CALL=ffi: the step one CUDA graph)
 #   gemm_decode_tiles2  timings only, per shape, of launch shapes around the table's by_m picks
@@ -196,6 +198,8 @@ for s in "$@"; do
       step gemm_decode_tiles_qkv_o 120 python3 scripts/gpu_gemm_decode_tiles.py --skip-bits --budget-s 100 --shapes q/o_proj "qkv group" --candidates 64,64,4,3 64,64,4,5 64,32,4,4 64,32,4,6 32,64,4,4 64,64,4,4,serial 64,32,4,4,serial --out "$out/gemm_decode_tiles_qkv_o"
       step gemm_decode_tiles_gate_up 100 python3 scripts/gpu_gemm_decode_tiles.py --skip-bits --budget-s 80 --shapes "gate_up group" --candidates 64,128,4,3 64,128,4,5 64,256,4,3 64,128,4,4,split 64,64,4,4,split 64,64,4,6 --out "$out/gemm_decode_tiles_gate_up"
       step gemm_decode_tiles_down 100 python3 scripts/gpu_gemm_decode_tiles.py --skip-bits --budget-s 80 --shapes down_proj --candidates 64,64,4,3 64,64,4,5 64,64,4,6 64,128,4,3 64,32,4,6 64,64,4,4,serial --out "$out/gemm_decode_tiles_down" ;;
+    gemm_mid_m_tiles)  # timings only: launch shapes on the entries' K chunks at M = 128 / 256 (the bs 256 lead), and XLA's dot
+      step gemm_mid_m_tiles 330 python3 scripts/gpu_gemm_decode_tiles.py --skip-bits --budget-s 300 --iters 10 --time-rows 128 256 --xla --shapes q/o_proj "qkv group" "gate_up group" down_proj --candidates 128,128,8,4,split 128,128,8,4,fused 64,128,4,4,split 64,128,4,4,fused 128,64,4,4,fused 64,64,4,4,fused 128,256,8,3,split 128,128,8,4,serial 64,128,4,4,serial --out "$out/gemm_mid_m_tiles" ;;
     gemm_decode_tiles_big_m)  # the by_m picks vs the entry's tile at M = 64 / 128 / 256 (timings)
       step gemm_decode_tiles_big_m 150 python3 scripts/gpu_gemm_decode_tiles.py --skip-bits --budget-s 130 --time-rows 64 128 256 --candidates 64,64,4,6 --out "$out/gemm_decode_tiles_big_m" ;;
     bench_model_decode) step bench_model_decode 240 python3 -m jengine.cli bench --parts roofline model --iters 30 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 60 model=110 --out "$out/bench_model_decode" ;;
