@@ -205,12 +205,11 @@ def _give_counters(buffer) -> None:
 
 
 def jax_launch(kernel, inputs: Sequence[Any], out_shapes, grid, *, num_warps: int,
-               num_stages: int, enable_fp_fusion: bool = True, zeroed_outputs: Sequence[int] = (),
+               num_stages: int, enable_fp_fusion: bool = True,
                input_output_aliases: dict[int, int] | None = None, **constexprs):
     """Launch `kernel` from JAX. `inputs` are arrays and Python scalars, in kernel order; a
     `Counters` may be the last (see there).
     enable_fp_fusion=False: no mul+add contraction (LLVM contract off, ptxas --fmad=false).
-    zeroed_outputs: indices of outputs set to zero before the launch (in the same custom call).
     input_output_aliases: {array input index: output index}, an output that is its input's buffer
     (updated in place where XLA can donate it; the kernel gets both pointers)."""
     jt = import_jax_triton()
@@ -228,8 +227,7 @@ def jax_launch(kernel, inputs: Sequence[Any], out_shapes, grid, *, num_warps: in
         outs.append(jax.ShapeDtypeStruct(buffer.shape, jnp.int32))
     results = jt.triton_call(*inputs, kernel=kernel, out_shape=tuple(outs), grid=grid,
                              num_warps=num_warps, num_stages=num_stages,
-                             enable_fp_fusion=enable_fp_fusion,
-                             zeroed_outputs=tuple(zeroed_outputs), input_output_aliases=aliases,
+                             enable_fp_fusion=enable_fp_fusion, input_output_aliases=aliases,
                              custom_call_target_name=custom_call_target(), **constexprs)
     results = list(results)
     if counters is not None:

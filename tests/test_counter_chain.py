@@ -24,7 +24,7 @@ class Recorder:
     def __init__(self):
         self.calls = []
 
-    def triton_call(self, *args, out_shape, input_output_aliases, zeroed_outputs, **_):
+    def triton_call(self, *args, out_shape, input_output_aliases, zeroed_outputs=(), **_):
         arrays = [a for a in args if not isinstance(a, (bool, int, float, np.floating))]
         outs = [jnp.zeros(s.shape, s.dtype) for s in out_shape]
         for i, o in input_output_aliases.items():
