@@ -29,13 +29,14 @@ declare_family("activation", "silu", _silu_signature)
           priority=Priority.PORTABLE, traits={"deterministic": True, "batch_invariant": True},
           features={"batch_invariant"})
 def silu(x, *, times=None):
-    _check_times(x, times)
+    check_times(x, times)
     xf = x.astype(jnp.float32)
     y = (xf / (1.0 + jnp.exp(-xf))).astype(x.dtype)
     return y if times is None else y * times
 
 
-def _check_times(x, times) -> None:
+def check_times(x, times) -> None:
+    """Every silu leaf's check of `times` (jax or torch arrays alike)."""
     if times is not None and (tuple(times.shape) != tuple(x.shape) or times.dtype != x.dtype):
         raise ValueError(f"silu: times has shape {tuple(times.shape)} and dtype {times.dtype}; "
                          f"it must match x's {tuple(x.shape)} and {x.dtype}")

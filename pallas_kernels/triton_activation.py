@@ -17,6 +17,7 @@ import jax
 from pallas_kernels._triton_launch import (INVARIANT, cdiv, contiguous, dtype_name, jax_launch,
                                            kernels, require_cuda_tensors, torch_launch,
                                            triton_available)
+from pallas_kernels.activation import check_times
 from pallas_kernels.registry import Priority, register
 
 FORMATS = {"bf16", "f32"}
@@ -26,11 +27,7 @@ BLOCK = 1024
 def _check(x, times):
     if dtype_name(x.dtype) not in FORMATS:
         raise ValueError(f"silu: x.dtype={dtype_name(x.dtype)} must be one of {sorted(FORMATS)}")
-    if times is not None and (tuple(times.shape) != tuple(x.shape)
-                              or dtype_name(times.dtype) != dtype_name(x.dtype)):
-        raise ValueError(f"silu: times has shape {tuple(times.shape)} and dtype "
-                         f"{dtype_name(times.dtype)}; it must match x's {tuple(x.shape)} and "
-                         f"{dtype_name(x.dtype)}")
+    check_times(x, times)
 
 
 def silu_triton(x, *, times=None):
