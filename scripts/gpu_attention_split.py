@@ -65,6 +65,13 @@ def split_launch(case, warps, stages, split=None):
     return run, out
 
 
+def report(label, cfg, n, us, err) -> None:
+    """One progress line of a launch-settings sweep."""
+    print(f"   {label} w{cfg[0]} s{cfg[1]}: differ {n} rows, "
+          f"{'-' if us is None else f'{us:.1f} us'}{'' if err is None else ' ' + err}",
+          flush=True)
+
+
 def measure(launch, case, cfg, ref):
     """(rows differing from ref, device us, error) of `launch(case, *cfg)`; a config that does
     not compile is a result, not a failure."""
@@ -111,9 +118,7 @@ def serial_main(args) -> int:
             n, us, err = measure(serial_launch, case, cfg, ref)
             rows.append({"case": name, "warps": cfg[0], "stages": cfg[1], "rows_differ": n,
                          "us": us, "error": err})
-            print(f"   {name} serial w{cfg[0]} s{cfg[1]}: differ {n} rows, "
-                  f"{'-' if us is None else f'{us:.1f} us'}{'' if err is None else ' ' + err}",
-                  flush=True)
+            report(f"{name} serial", cfg, n, us, err)
     with open(os.path.join(args.out, "attention_serial.json"), "w") as f:
         json.dump(rows, f, indent=1)
     with open(os.path.join(args.out, "attention_serial.md"), "w") as f:
@@ -198,9 +203,7 @@ def main() -> int:
             n, us, err = measure(split_launch, case, cfg, ref)
             rows.append(dict(case=name, split_warps=cfg[0], split_stages=cfg[1], rows_differ=n,
                              us=us, vs_serial=vs_serial, control_rows_differ=control, error=err))
-            print(f"   split w{cfg[0]} s{cfg[1]}: differ {n} rows, "
-                  f"{'-' if us is None else f'{us:.1f} us'}{'' if err is None else ' ' + err}",
-                  flush=True)
+            report("split", cfg, n, us, err)
     with open(os.path.join(args.out, "attention_split.json"), "w") as f:
         json.dump(rows, f, indent=1)
     with open(os.path.join(args.out, "attention_split.md"), "w") as f:
