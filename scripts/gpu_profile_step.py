@@ -1,10 +1,13 @@
 """Where one decode step's time goes: a jax.profiler trace of the real ModelRunner, summed by kernel.
 
     python scripts/gpu_profile_step.py --numerics auto --batch 64 [--context 1024] [--out DIR]
+    python scripts/gpu_profile_step.py --numerics auto --prefill 4096   # one prefill chunk instead
 
 Builds the Llama-3-8B-shaped random-weight model of `jengine bench`, runs --steps decode steps
 under jax.profiler with a Perfetto trace, and sums the device events by name (no xprof needed).
-Writes profile_<numerics>_bs<batch>.md (top kernels, their share of the device time) to --out.
+Writes profile_<numerics>_bs<batch>.md (top kernels, their share of the device time) to --out;
+with --prefill N, profile_<numerics>_prefill<N>.md: one request's N-token chunk, as `jengine bench`
+times it (LM head on the last row only).
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def build_runner(numerics: str, batch: int, context: int, shape: str):
+def build_runner(numerics: str, batch: int, context: int, shape: str, prefill: int = 0):
     from jengine.bench.common import random_runner
     from jengine.config import LaunchConfig
 
-    launch = LaunchConfig(numerics=numerics, max_running_requests=batch, max_prefill_tokens=16,
-                          context_length=context + 16, max_total_tokens=(batch + 1) * (context + 16),
+    launch = LaunchConfig(numerics=numerics, max_running_requests=batch,
+                          max_prefill_tokens=max(prefill, 16),
+                          context_length=max(context, prefill) + 16,
+                          max_total_tokens=(batch + 1) * (max(context, prefill) + 16),
                           skip_warmup=True)
     return random_runner(shape, numerics, launch)[0]
 
@@ -70,6 +75,8 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--prefill", type=int, default=0,
+                   help="profile one request's N-token prefill chunk instead of a decode step")
     p.add_argument("--shape", default="llama3-8b", help="small: a CPU smoke test of this script")
     p.add_argument("--tag", default="", help="suffix of the output file (e.g. an XLA flag variant)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -79,13 +86,22 @@ def main() -> int:
 
     from jengine.engine.batch import StepBatch
 
-    runner = build_runner(args.numerics, args.batch, args.context, args.shape)
-    bs, ps = args.batch, runner.page_size
-    pages = -(-(args.context + 1) // ps)
-    batch = StepBatch(input_ids=np.arange(bs) % 1000, positions=np.full(bs, args.context),
-                      token_req=np.arange(bs),
-                      block_tables=1 + np.arange(bs * pages, dtype=np.int32).reshape(bs, pages),
-                      hidden_rows=np.arange(bs))
+    if args.prefill:
+        args.batch = 1
+    runner = build_runner(args.numerics, args.batch, args.context, args.shape, args.prefill)
+    bs, ps, n = args.batch, runner.page_size, args.prefill
+    if n:  # jengine.bench.model's prefill row
+        batch = StepBatch(input_ids=np.arange(n) % 1000, positions=np.arange(n),
+                          token_req=np.zeros(n), hidden_rows=[n - 1],
+                          block_tables=1 + np.arange(-(-n // ps), dtype=np.int32)[None])
+        what, tag = f"prefill chunk profile: {n} tokens of one request", f"prefill{n}"
+    else:
+        pages = -(-(args.context + 1) // ps)
+        batch = StepBatch(input_ids=np.arange(bs) % 1000, positions=np.full(bs, args.context),
+                          token_req=np.arange(bs),
+                          block_tables=1 + np.arange(bs * pages, dtype=np.int32).reshape(bs, pages),
+                          hidden_rows=np.arange(bs))
+        what, tag = f"decode step profile: batch={bs} context={args.context}", f"bs{bs}"
 
     def step():
         jax.block_until_ready(runner.logits_at(runner.forward_padded(batch), batch.hidden_rows))
@@ -97,7 +113,7 @@ def main() -> int:
         step()
     wall_ms = (time.perf_counter() - t0) / args.steps * 1e3
     dispatch = host_dispatch(runner, batch, args.steps * 4)
-    logdir = f"/tmp/jprof_{args.numerics}_{bs}"
+    logdir = f"/tmp/jprof_{args.numerics}_{tag}"
     with jax.profiler.trace(logdir, create_perfetto_trace=True):
         for _ in range(args.steps):
             step()
@@ -124,7 +140,7 @@ def main() -> int:
             per_line[line] += e.get("dur", 0)
     busiest = per_line.most_common(1)[0][0] if per_line else None
     device_us = per_line[busiest] / args.steps if busiest else float("nan")
-    lines = [f"# decode step profile: numerics={args.numerics} batch={bs} context={args.context}",
+    lines = [f"# {what}, numerics={args.numerics}",
              "", f"XLA_FLAGS: {os.environ.get('XLA_FLAGS', '')}", "", f"kernels: {runner.kernels.describe()}",
              f"wall per step (host included): {wall_ms:.2f} ms; device events per step: "
              f"{device_us / 1e3:.2f} ms on line {busiest!r}", "",
@@ -160,7 +176,7 @@ def main() -> int:
                      f"{us / args.steps / device_us:.1%} | {count[(line, name)] / args.steps:.0f} |")
     md = "\n".join(lines)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"profile_{args.numerics}_bs{bs}{args.tag}.md"), "w") as f:
+    with open(os.path.join(args.out, f"profile_{args.numerics}_{tag}{args.tag}.md"), "w") as f:
         f.write(md + "\n")
     print(md)
     return 0

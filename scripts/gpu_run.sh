@@ -48,7 +48,8 @@
 #   harness_auto   the same under --numerics auto (the negative control: must diverge)
 #   refuse_f32     an f32 launch under rl-bitwise on the GPU must be refused (rc != 0, the reason)
 #   profile        scripts/gpu_profile_step.py, auto and rl-bitwise, decode bs 64 ctx 1024
-#   profile_bs1    the same at batch 1 (profile_bs256: at batch 256)
+#   profile_bs1    the same at batch 1 (profile_bs256: at batch 256; profile_prefill: one
+#                  4096-token prefill chunk, both modes)
 #   profile_cmdbuf the profile with XLA command buffers for custom calls (an experiment)
 #   bench_decode   jengine bench --parts roofline model (decode bs 1/16/64/256 + 8k, prefill 4096)
 #   bench_final    roofline + decode/prefill rows + the HF peer in one run (the targets table)
@@ -218,6 +219,9 @@ for s in "$@"; do
     profile_bs256)
       step profile_bs256_auto 120 python3 scripts/gpu_profile_step.py --numerics auto --batch 256 --out "$out"
       step profile_bs256_rl 120 python3 scripts/gpu_profile_step.py --numerics rl-bitwise --batch 256 --out "$out" ;;
+    profile_prefill)
+      step profile_prefill_auto 150 python3 scripts/gpu_profile_step.py --numerics auto --prefill 4096 --steps 3 --out "$out"
+      step profile_prefill_rl 150 python3 scripts/gpu_profile_step.py --numerics rl-bitwise --prefill 4096 --steps 3 --out "$out" ;;
     profile_bs1_rl) step profile_bs1_rl 100 python3 scripts/gpu_profile_step.py --numerics rl-bitwise --batch 1 --out "$out" ;;
     profile_bs1)
       step profile_bs1_auto 100 python3 scripts/gpu_profile_step.py --numerics auto --batch 1 --out "$out"
