@@ -51,6 +51,7 @@
 #   profile_bs1    the same at batch 1 (profile_bs256: at batch 256; profile_prefill: one
 #                  4096-token prefill chunk, both modes)
 #   profile_cmdbuf the profile with XLA command buffers for custom calls (an experiment)
+#   bench_model_bs256  the decode bs 256 row alone, both modes (the rl-bitwise / auto ratio there)
 #   bench_decode   jengine bench --parts roofline model (decode bs 1/16/64/256 + 8k, prefill 4096)
 #   bench_final    roofline + decode/prefill rows + the HF peer in one run (the targets table)
 #   bench_model    roofline + decode bs 1 / 64 / 256 (blocked on and pipelined) + prefill, 20
@@ -203,6 +204,7 @@ for s in "$@"; do
       step gemm_mid_m_tiles 330 python3 scripts/gpu_gemm_decode_tiles.py --skip-bits --budget-s 300 --iters 10 --time-rows 128 256 --xla --shapes q/o_proj "qkv group" "gate_up group" down_proj --candidates 128,128,8,4,split 128,128,8,4,fused 64,128,4,4,split 64,128,4,4,fused 128,64,4,4,fused 64,64,4,4,fused 128,256,8,3,split 128,128,8,4,serial 64,128,4,4,serial --out "$out/gemm_mid_m_tiles" ;;
     gemm_decode_tiles_big_m)  # the by_m picks vs the entry's tile at M = 64 / 128 / 256 (timings)
       step gemm_decode_tiles_big_m 150 python3 scripts/gpu_gemm_decode_tiles.py --skip-bits --budget-s 130 --time-rows 64 128 256 --candidates 64,64,4,6 --out "$out/gemm_decode_tiles_big_m" ;;
+    bench_model_bs256) step bench_model_bs256 240 python3 -m jengine.cli bench --parts roofline model --iters 20 --batch-sizes 256 --long-context 0 --prefill-tokens 0 --part-timeout 60 model=110 --out "$out/bench_model_bs256" ;;
     bench_model_decode) step bench_model_decode 240 python3 -m jengine.cli bench --parts roofline model --iters 30 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 60 model=110 --out "$out/bench_model_decode" ;;
     gemm_decode_tiles) step gemm_decode_tiles 450 python3 scripts/gpu_gemm_decode_tiles.py --budget-s 370 --out "$out/gemm_decode_tiles" ;;
     attention_rows) step attention_rows 240 python3 scripts/gpu_attention_rows.py --out "$out/attention_rows" ;;
