@@ -31,7 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-ROW_COUNTS = (1, 2, 3, 7, 64, 512)
+ROW_COUNTS = (1, 2, 3, 7, 64, 200, 512)
 LEAF_MODULES = ("pallas_kernels.triton_gemm", "pallas_kernels.triton_norm",
                 "pallas_kernels.triton_activation", "pallas_kernels.triton_sampling")
 
@@ -151,8 +151,10 @@ def leaf_checks(quick: bool, only: str | None = None) -> tuple[list[dict], list]
             None if negative else (lambda x, w, *b: tg.gemm_triton_torch(x, w, *b, out_dtype=out_dtype)))
         ref = lambda x, w, *b: x @ w + (b[0] if b else 0)
         tol = 1e-5 if (dtype == f32 and out_dtype == f32) else 1e-2
-        shapes = [tg.tile_for(n, k, dtype, m).describe() for m in (1, 512)]  # decode (by_m), big
-        tile = "" if negative else f" [{' / M=512: '.join(dict.fromkeys(shapes))}]"
+        # the launch shapes the rows run on: decode (by_m), decode bs 256 (by_m), the entry's
+        shapes = {m: tg.tile_for(n, k, dtype, m).describe() for m in (1, 200, 512)}
+        named = [f"M={m}: {s}" for m, s in shapes.items() if m == 1 or s != shapes[1]]
+        tile = "" if negative else f" [{' / '.join(named)}]"
         results.append(row_check(jf, tf, inputs, ref, 1, f"{label} K={k} N={n}{tile}", tol,
                                  negative=negative))
 

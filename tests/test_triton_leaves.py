@@ -83,12 +83,15 @@ def test_only_the_launch_shape_may_follow_m_never_the_k_chunks():
     tables = triton_gemm_tiles.TILES
     assert tables.by_m, "the Llama-3-8B table gives decode steps their own launch shape"
     for (n, k, d), tile in tables.tuned().items():
-        for m in (1, 16, 64, 65, 256, 4096):
+        for m in (1, 16, 64, 65, 200, 256, 257, 4096):
             assert tables.tile_for(n, k, d, m).k_split == tile.k_split, (n, k, d, m)
     assert triton_gemm.tile_for(4096, 4096, "bf16", 16) != triton_gemm.tile_for(4096, 4096, "bf16")
     assert triton_gemm.tile_for(4096, 4096, "bf16", 65) == triton_gemm.tile_for(4096, 4096, "bf16")
+    # decode bs 256 (128 < M <= 256) has a launch shape of its own, and M past it the entry's
+    assert triton_gemm.tile_for(4096, 4096, "bf16", 256) != triton_gemm.tile_for(4096, 4096, "bf16")
+    assert triton_gemm.tile_for(4096, 4096, "bf16", 257) == triton_gemm.tile_for(4096, 4096, "bf16")
     # q/k/v (and gate/up) keep one launch shape at every M, so they stay one grouped launch.
-    for m in (1, 64, 65):
+    for m in (1, 64, 65, 200, 256, 4096):
         assert (triton_gemm.tile_for(4096, 4096, "bf16", m)
                 == triton_gemm.tile_for(1024, 4096, "bf16", m)), m
     bf16 = [t for (_, _, d), t in tables.tuned().items() if d == "bf16"]
