@@ -2,7 +2,7 @@
 and what does a larger one buy for prefill? An experiment for issue #19 (prefill attention ran at
 ~58 TFLOP/s with the 16-row tile every step uses today).
 
-    python scripts/gpu_attention_rows.py [--out DIR]
+    python scripts/gpu_attention_rows.py [--out DIR] [--ref TPP,WARPS,STAGES] [--configs ...]
 
 The leaf's contract (pallas_kernels/_triton_attention_kernels.py) fixes BLOCK_N and SPLIT; ROWS
 is fixed too, today, because the MMA a row goes through could in principle round differently at
@@ -12,8 +12,9 @@ variants, on Llama-3-8B heads (32 q, 8 kv, head_dim 128, bf16, 16-token pages sh
 pool), for one 4096-token prefill, a chunk of 4 x 1024-token prompts and 64 decode rows at
 context 1024. Every output's float bits are compared with the ROWS-16 launch (0 rows may differ
 for a tile to be usable without a new contract); timings are medians of 20 launches after warm-up.
-Negative control: SPLIT 256 -> 128 must change bits (the comparison can fail).
-Writes attention_rows.json / .md to --out.
+Negative control: SPLIT 256 -> 128 must change bits (the comparison can fail). --ref compares
+against another launch than the engine's (e.g. 4,1,2: ROWS 16 on one warp), --configs names the
+launches to compare (TPP,WARPS,STAGES each). Writes attention_rows.json / .md to --out.
 """
 
 from __future__ import annotations
@@ -107,10 +108,15 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/attention_rows")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny cases")
+    p.add_argument("--ref", default=f"4,{ta.NUM_WARPS},{ta.NUM_STAGES}",
+                   help="TPP,WARPS,STAGES of the launch every other is compared with")
+    p.add_argument("--configs", nargs="*", help="TPP,WARPS,STAGES launches (default: a sweep)")
     args = p.parse_args()
     global DEV
     if args.smoke:
         DEV = "cpu"
+        from tests import triton_interpreter  # noqa: F401 -- before the kernels' module is imported
+    ref_cfg = tuple(int(v) for v in args.ref.split(","))
     os.makedirs(args.out, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
     cases = {"prefill 1 x 40": make_case(gen, [40], [40]), "decode 2 x ctx 300": make_case(gen, [301] * 2, [1] * 2)} if args.smoke else {
@@ -121,10 +127,12 @@ def main() -> int:
     }
     configs = [(4, 4, 2), (16, 4, 2)] if args.smoke else [(4, 4, 2), (4, 4, 3), (8, 4, 2), (8, 4, 3), (16, 4, 2), (16, 4, 3), (16, 8, 2),
                (32, 4, 2), (32, 8, 2), (32, 8, 3)]
+    if args.configs:
+        configs = [tuple(int(v) for v in c.split(",")) for c in args.configs]
     rows = []
     for name, case in cases.items():
-        ref = serial(case, 4, ta.NUM_WARPS, ta.NUM_STAGES)
-        control = rows_differ(ref, serial(case, 4, ta.NUM_WARPS, ta.NUM_STAGES, split=128))
+        ref = serial(case, *ref_cfg)
+        control = rows_differ(ref, serial(case, *ref_cfg, split=128))
         flops = causal_flops(case)
         print(f"== {name}: {case[0].shape[0]} rows; control (SPLIT 128) differs in {control} rows",
               flush=True)
@@ -146,7 +154,8 @@ def main() -> int:
     with open(os.path.join(args.out, "attention_rows.json"), "w") as f:
         json.dump(rows, f, indent=1)
     with open(os.path.join(args.out, "attention_rows.md"), "w") as f:
-        f.write("| case | ROWS | warps | stages | rows differing from ROWS 16 | ms per layer | TFLOP/s |\n")
+        f.write(f"| case | ROWS | warps | stages | rows differing from ROWS {ref_cfg[0] * 4} w{ref_cfg[1]} "
+                f"s{ref_cfg[2]} | ms per layer | TFLOP/s |\n")
         f.write("|---|---|---|---|---|---|---|\n")
         for r in rows:
             ms = "-" if r["ms"] is None else f"{r['ms']:.3f}"

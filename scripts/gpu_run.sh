@@ -32,6 +32,8 @@
 #                  4096-token prefill) at other num_warps / num_stages: bits vs today, µs per layer
 #   attention_rows scripts/gpu_attention_rows.py: does the attention leaf's query tile (ROWS = 16
 #                  today) change any bit at 32 / 64 / 128 rows, and what it buys for prefill
+#   attention_rows_warps  the same at launches (ROWS, warps) that keep ROWS / warps fixed: against
+#                  today's ROWS 16 w4 and against ROWS 16 on one warp (--ref 4,1,2)
 #   mla_digest     scripts/gpu_mla_digest.py: SHA-256 of the Triton MLA leaf's output bits on fixed
 #                  inputs, from the tree in the current directory (run it in two trees to compare)
 #   mla_attention  scripts/gpu_mla_attention.py: the Triton MLA leaf at DeepSeek widths (R 512,
@@ -207,6 +209,9 @@ for s in "$@"; do
     bench_model_bs256) step bench_model_bs256 240 python3 -m jengine.cli bench --parts roofline model --iters 20 --batch-sizes 256 --long-context 0 --prefill-tokens 0 --part-timeout 60 model=110 --out "$out/bench_model_bs256" ;;
     bench_model_decode) step bench_model_decode 240 python3 -m jengine.cli bench --parts roofline model --iters 30 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 60 model=110 --out "$out/bench_model_decode" ;;
     gemm_decode_tiles) step gemm_decode_tiles 450 python3 scripts/gpu_gemm_decode_tiles.py --budget-s 370 --out "$out/gemm_decode_tiles" ;;
+    attention_rows_warps)  # which (ROWS, warps) launches give today's bits / ROWS 16 on one warp's
+      step attention_rows_warps 200 python3 scripts/gpu_attention_rows.py --configs 4,4,2 4,2,2 4,1,2 8,8,2 16,16,2 16,8,2 16,4,2 32,32,2 --out "$out/attention_rows_warps"
+      step attention_rows_w1 200 python3 scripts/gpu_attention_rows.py --ref 4,1,2 --configs 4,1,2 8,2,2 16,4,2 32,8,2 16,4,3 --out "$out/attention_rows_w1" ;;
     attention_rows) step attention_rows 240 python3 scripts/gpu_attention_rows.py --out "$out/attention_rows" ;;
     attention_timing) step attention_timing 150 python3 scripts/gpu_attention.py --skip-checks --out "$out" ;;
     gemm) step gemm 170 python3 scripts/gpu_validate.py --skip-harness --only gemm --out "$out/val" ;;
