@@ -110,6 +110,7 @@ def serial_main(args) -> int:
         "prefill 4096": mk(gen, [4096], [4096]),
     }
     configs = [TODAY, (4, 3)] if args.smoke else [TODAY, (4, 3), (4, 4), (8, 2), (8, 3), (2, 2)]
+    configs = args.configs or configs
     rows = []
     for name, case in cases.items():
         case = widen(case, 40 if args.smoke else ENGINE_WIDTH)
@@ -158,6 +159,8 @@ def main() -> int:
     p.add_argument("--splits", type=int, nargs="*", default=[],
                    help="also time today's launch with these SPLIT sizes: other bits, so for "
                         "--numerics auto only (no contract there); rows differing are reported")
+    p.add_argument("--configs", nargs="*", type=lambda c: tuple(int(v) for v in c.split(",")),
+                   help="WARPS,STAGES launches to sweep (default: a fixed set around today's)")
     p.add_argument("--serial", action="store_true",
                    help="the serial schedule's launch settings instead (64 / 256 rows, prefill)")
     args = p.parse_args()
@@ -180,6 +183,7 @@ def main() -> int:
     }
     configs = [TODAY, (4, 3)] if args.smoke else [
         TODAY, (4, 3), (4, 4), (2, 2), (2, 3), (8, 2)]
+    configs = args.configs or configs
     rows = []
     for name, case in cases.items():
         case = widen(case, width)
