@@ -40,12 +40,14 @@ def widen(case, width):
     return q, k, v, wide, req, pos
 
 
-def split_launch(case, warps, stages, split=None):
-    """The leaf's split schedule with these launch settings: (run, output). `run` launches the
-    kernel on buffers made once -- its counters zeroed once: each launch leaves them zero, as in
-    the engine's step -- so a CUDA graph of it times the device."""
+def split_launch(case, warps, stages, tpp=None, split=None):
+    """The leaf's split schedule with these launch settings (tpp: tokens per program, the leaf's
+    by default): (run, output). `run` launches the kernel on buffers made once -- its counters
+    zeroed once: each launch leaves them zero, as in the engine's step -- so a CUDA graph of it
+    times the device."""
     q, k, v, table, req, pos = case
     c = dict(ta._constexprs(q, k), SPLIT=split or ta.SPLIT)
+    c["TPP"] = tpp or c["TPP"]
     tiles = ta.tiles_torch(req, pos, c["TPP"])
     t = q.shape[0]
     nsplit = ta.cdiv(rows_exp.PAGE * table.shape[1], c["SPLIT"])
@@ -67,7 +69,7 @@ def split_launch(case, warps, stages, split=None):
 
 def report(label, cfg, n, us, err) -> None:
     """One progress line of a launch-settings sweep."""
-    print(f"   {label} w{cfg[0]} s{cfg[1]}: differ {n} rows, "
+    print(f"   {label} w{cfg[0]} s{cfg[1]}{' TPP %d' % cfg[2] if len(cfg) > 2 else ''}: differ {n} rows, "
           f"{'-' if us is None else f'{us:.1f} us'}{'' if err is None else ' ' + err}",
           flush=True)
 
@@ -82,11 +84,12 @@ def measure(launch, case, cfg, ref):
         return None, None, f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
-def serial_launch(case, warps, stages):
+def serial_launch(case, warps, stages, tpp=None):
     """The leaf's serial schedule (every step of more than SPLIT_MAX_ROWS rows) with these launch
     settings: (run, output), as split_launch."""
     q, k, v, table, req, pos = case
-    c = ta._constexprs(q, k)
+    c = dict(ta._constexprs(q, k))
+    c["TPP"] = tpp or c["TPP"]
     tiles = ta.tiles_torch(req, pos, c["TPP"])
     t = q.shape[0]
     inputs = (q, k, v, table, pos, tiles, t, rows_exp.PAGE, table.shape[1], rows_exp.D ** -0.5)
@@ -117,7 +120,8 @@ def serial_main(args) -> int:
         ref = serial_launch(case, *TODAY)[1]
         for cfg in configs:
             n, us, err = measure(serial_launch, case, cfg, ref)
-            rows.append({"case": name, "warps": cfg[0], "stages": cfg[1], "rows_differ": n,
+            rows.append({"case": name, "warps": cfg[0], "stages": cfg[1],
+                         "tpp": cfg[2] if len(cfg) > 2 else None, "rows_differ": n,
                          "us": us, "error": err})
             report(f"{name} serial", cfg, n, us, err)
     with open(os.path.join(args.out, "attention_serial.json"), "w") as f:
@@ -127,7 +131,8 @@ def serial_main(args) -> int:
                 "|---|---|---|---|\n")
         for r in rows:
             us = "-" if r["us"] is None else f"{r['us']:.1f}"
-            f.write(f"| {r['case']} | {r['warps']} / {r['stages']} | "
+            f.write(f"| {r['case']} | {r['warps']} / {r['stages']}"
+                    f"{' / TPP %d' % r['tpp'] if r.get('tpp') else ''} | "
                     f"{r['rows_differ'] if r['error'] is None else r['error']} | {us} |\n")
     return 0
 
@@ -160,7 +165,7 @@ def main() -> int:
                    help="also time today's launch with these SPLIT sizes: other bits, so for "
                         "--numerics auto only (no contract there); rows differing are reported")
     p.add_argument("--configs", nargs="*", type=lambda c: tuple(int(v) for v in c.split(",")),
-                   help="WARPS,STAGES launches to sweep (default: a fixed set around today's)")
+                   help="WARPS,STAGES[,TPP] launches to sweep (default: a fixed set around today's)")
     p.add_argument("--serial", action="store_true",
                    help="the serial schedule's launch settings instead (64 / 256 rows, prefill)")
     args = p.parse_args()
@@ -205,7 +210,8 @@ def main() -> int:
                   f"{rows[-1]['rows_differ']} rows", flush=True)
         for cfg in configs:
             n, us, err = measure(split_launch, case, cfg, ref)
-            rows.append(dict(case=name, split_warps=cfg[0], split_stages=cfg[1], rows_differ=n,
+            rows.append(dict(case=name, split_warps=cfg[0], split_stages=cfg[1],
+                             tpp=cfg[2] if len(cfg) > 2 else None, rows_differ=n,
                              us=us, vs_serial=vs_serial, control_rows_differ=control, error=err))
             report("split", cfg, n, us, err)
     with open(os.path.join(args.out, "attention_split.json"), "w") as f:
@@ -216,7 +222,8 @@ def main() -> int:
         for r in rows:
             us = "-" if r["us"] is None else f"{r['us']:.1f}"
             f.write(f"| {r['case']}{' SPLIT %d' % r['split'] if 'split' in r else ''} | "
-                    f"{r['split_warps']} / {r['split_stages']} | "
+                    f"{r['split_warps']} / {r['split_stages']}"
+                    f"{' / TPP %d' % r['tpp'] if r.get('tpp') else ''} | "
                     f"{r['rows_differ'] if r['error'] is None else r['error']} | "
                     f"{r['vs_serial']} | {us} |\n")
     return 0

@@ -35,6 +35,7 @@
 #   attention_rows_warps  the same at launches (ROWS, warps) that keep ROWS / warps fixed: against
 #                  today's ROWS 16 w4 and against ROWS 16 on one warp (--ref 4,1,2)
 #   attention_one_warp  the split and serial schedules' decode rows at 1 warp (µs, bits vs today)
+#   attention_tpp16  the same with 16 tokens per program (ROWS 64 on 4 warps) at every step
 #   mla_digest     scripts/gpu_mla_digest.py: SHA-256 of the Triton MLA leaf's output bits on fixed
 #                  inputs, from the tree in the current directory (run it in two trees to compare)
 #   mla_attention  scripts/gpu_mla_attention.py: the Triton MLA leaf at DeepSeek widths (R 512,
@@ -216,6 +217,9 @@ for s in "$@"; do
     attention_one_warp)  # the decode schedules on one warp (ROWS 16 / 1 warp: the bits of ROWS 64 on 4)
       step attention_split_w1 120 python3 scripts/gpu_attention_split.py --configs 4,2 1,2 1,3 1,4 --out "$out/attention_split_w1"
       step attention_serial_w1 150 python3 scripts/gpu_attention_split.py --serial --configs 4,2 1,2 1,3 1,4 --out "$out/attention_serial_w1" ;;
+    attention_tpp16)  # every schedule on ROWS 64 / 4 warps (TPP 16 at G 4): the bits of ROWS 16 on one warp
+      step attention_split_tpp16 120 python3 scripts/gpu_attention_split.py --configs 4,2 4,2,16 4,3,16 4,4,16 --out "$out/attention_split_tpp16"
+      step attention_serial_tpp16 150 python3 scripts/gpu_attention_split.py --serial --configs 4,2 4,2,16 4,3,16 8,2,32 --out "$out/attention_serial_tpp16" ;;
     attention_rows) step attention_rows 240 python3 scripts/gpu_attention_rows.py --out "$out/attention_rows" ;;
     attention_timing) step attention_timing 150 python3 scripts/gpu_attention.py --skip-checks --out "$out" ;;
     gemm) step gemm 170 python3 scripts/gpu_validate.py --skip-harness --only gemm --out "$out/val" ;;
