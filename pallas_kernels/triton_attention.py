@@ -19,6 +19,18 @@ model with another head_dim plans the next attention leaf at construction. The d
 does not (trainer mode plans its twin table per device, before it knows a model): its twin raises
 naming head_dim, rather than silently giving bits the engine does not produce.
 
+`--numerics auto` plans a third leaf, `triton_wide_prefill`: the same kernels, but a step of at
+least WIDE_MIN_TOKENS token rows (a prefill chunk) runs the serial schedule on WIDE_ROWS rows per
+program, which reads each KV tile for 4x the query rows (H200, a 4096-token prefill: 1.11 vs 1.82 ms
+per layer; docs/performance.md). It is deterministic but not batch-invariant: ROWS 64 on 4 warps
+gives a few rows other bits than ROWS 16 on 4 warps (69 of 131,072 in that prefill), so a row's bits
+would depend on its step's size. rl-bitwise never plans it (no batch_invariant feature). Measured on
+the H200 (scripts/gpu_attention_rows.py): ROWS 16 on 1 warp, 64 on 4 and 128 on 8 agree bit for
+bit, as do ROWS 16 on 4 and 32 on 8 -- consistent with a row's sum over a KV tile being reduced
+across the warps that share the row (4 today, 1 in the wide launch). So rl-bitwise could have the
+wide tile too by running every step on one warp per 16 rows, but that decode schedule measured
+1.3-1.8x slower (split kernel at bs 1: 28.5 vs 16.0 us per layer; serial at bs 64: 108 vs 81).
+
 These bits are *not* the portable `fixed_order` leaf's (pallas_kernels/attention.py, f32 p . v, one
 max over the whole context): on a GPU the rl-bitwise plan and trainer mode's twin table both pick
 this leaf, so engine and trainer move together. It is also registered above `xla_native` so that
@@ -45,6 +57,9 @@ MIN_ROWS = 16  # tl.dot needs >= 16 rows: GQA groups smaller than 16 are packed 
 SPLIT_MAX_ROWS = 32  # steps of at most this many token rows use the split schedule (H200: split
 # wins at 1 and 16 decode rows, serial at 64 and 256; docs/performance.md)
 NUM_WARPS, NUM_STAGES = 4, 2
+# triton_wide_prefill (auto only): query rows per program on steps of >= WIDE_MIN_TOKENS rows. At
+# 256 decode rows the wide tile measured 2x slower (630 vs 306 us per layer: one token per tile).
+WIDE_ROWS, WIDE_MIN_TOKENS = 64, 512
 
 
 def kernels():
@@ -136,14 +151,24 @@ def _constexprs(q, k_cache) -> dict:
     return dict(geo, BLOCK_N=BLOCK_N, SPLIT=SPLIT, IEEE=dtype_name(q.dtype) == "f32")
 
 
+def wide_tpp(c: dict, num_tokens: int, schedule: str) -> int:
+    """Tokens per program of triton_wide_prefill: WIDE_ROWS rows on prefill-sized serial steps."""
+    if schedule == "serial" and num_tokens >= WIDE_MIN_TOKENS and c["GP"] < WIDE_ROWS:
+        return WIDE_ROWS // c["GP"]
+    return c["TPP"]
+
+
 def paged_attention_triton(q, kv, block_tables, token_req, positions, *, scale,
-                           schedule: str | None = None):
+                           schedule: str | None = None, wide: bool = False):
     """q [T, Hq, D]; kv = (k_pages, v_pages), each [Np, page_size, Hkv, D]; block_tables [R, P];
-    token_req, positions [T]."""
+    token_req, positions [T]. wide: triton_wide_prefill's tiles (not batch-invariant)."""
     k_cache, v_cache = kv
     _check(q, k_cache, v_cache)
     t = q.shape[0]
     c = _constexprs(q, k_cache)
+    schedule = schedule or schedule_for(t)
+    if wide:
+        c["TPP"] = wide_tpp(c, t, schedule)
     page_size, width = k_cache.shape[1], block_tables.shape[1]
     positions = positions.astype(jnp.int32)
     tiles = tiles_jax(token_req, positions, c["TPP"])
@@ -152,7 +177,7 @@ def paged_attention_triton(q, kv, block_tables, token_req, positions, *, scale,
     out = jax.ShapeDtypeStruct(q.shape, q.dtype)
     launch = dict(num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False)
     k = kernels()
-    if (schedule or schedule_for(t)) == "serial":
+    if schedule == "serial":
         return jax_launch(k.attention_serial_kernel, inputs, out, (t, c["HKV"]), **launch, **c)
     nsplit = cdiv(page_size * width, SPLIT)
     rows = c["TPP"] * c["GP"]
@@ -163,6 +188,14 @@ def paged_attention_triton(q, kv, block_tables, token_req, positions, *, scale,
                           jax.ShapeDtypeStruct((n, c["D"]), jnp.float32), out),
                          (t, c["HKV"], nsplit), **launch, **c, NSPLIT=nsplit)
     return out
+
+
+def paged_attention_triton_wide(q, kv, block_tables, token_req, positions, *, scale,
+                                schedule: str | None = None):
+    """triton_wide_prefill (--numerics auto): paged_attention_triton on WIDE_ROWS rows per program
+    for prefill-sized steps. Deterministic, not batch-invariant (module docstring)."""
+    return paged_attention_triton(q, kv, block_tables, token_req, positions, scale=scale,
+                                  schedule=schedule, wide=True)
 
 
 def _dense_as_pages(b: int, s: int):
@@ -185,7 +218,7 @@ def dense_causal_attention_triton(q, k, v, *, scale, schedule: str | None = None
 
 
 def paged_attention_triton_torch(q, kv, block_tables, token_req, positions, *, scale,
-                                 schedule: str | None = None):
+                                 schedule: str | None = None, wide: bool = False):
     import torch
 
     k_cache, v_cache = kv
@@ -196,6 +229,9 @@ def paged_attention_triton_torch(q, kv, block_tables, token_req, positions, *, s
     positions = contiguous(positions.to(torch.int32))
     t = q.shape[0]
     c = _constexprs(q, k_cache)
+    schedule = schedule or schedule_for(t)
+    if wide:
+        c["TPP"] = wide_tpp(c, t, schedule)
     page_size, width = k_cache.shape[1], block_tables.shape[1]
     tiles = tiles_torch(token_req, positions, c["TPP"])
     inputs = (q, k_cache, v_cache, block_tables, positions, tiles, t, page_size, width,
@@ -205,7 +241,7 @@ def paged_attention_triton_torch(q, kv, block_tables, token_req, positions, *, s
         return out
     launch = dict(num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False)
     k = kernels()
-    if (schedule or schedule_for(t)) == "serial":
+    if schedule == "serial":
         torch_launch(k.attention_serial_kernel, inputs, (out,), (t, c["HKV"]), **launch, **c)
         return out
     nsplit = cdiv(page_size * width, SPLIT)
@@ -216,6 +252,13 @@ def paged_attention_triton_torch(q, kv, block_tables, token_req, positions, *, s
     torch_launch(k.attention_split_kernel, (*inputs, Counters(t * c["HKV"])), (*parts, out),
                  (t, c["HKV"], nsplit), **launch, **c, NSPLIT=nsplit)
     return out
+
+
+def paged_attention_triton_wide_torch(q, kv, block_tables, token_req, positions, *, scale,
+                                      schedule: str | None = None):
+    """triton_wide_prefill from torch (the same launch; used to check it on the CPU)."""
+    return paged_attention_triton_torch(q, kv, block_tables, token_req, positions, scale=scale,
+                                        schedule=schedule, wide=True)
 
 
 def dense_causal_attention_triton_torch(q, k, v, *, scale, schedule: str | None = None):
@@ -237,3 +280,7 @@ if triton_available():
              **INVARIANT)(paged_attention_triton)
     register("attention", "dense_causal", "triton_fixed_split", formats=FORMATS, hardware={"gpu"},
              priority=Priority.TUNED + 2, **INVARIANT)(dense_causal_attention_triton)
+    # TUNED + 3: auto's pick on a GPU; rl-bitwise asks for the batch_invariant feature it lacks.
+    register("attention", "paged", "triton_wide_prefill", formats=FORMATS, hardware={"gpu"},
+             priority=Priority.TUNED + 3, constraints={"head_dim": head_dim_supported},
+             traits={"deterministic": True, "batch_invariant": False})(paged_attention_triton_wide)

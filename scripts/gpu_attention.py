@@ -9,7 +9,9 @@ pages shuffled over the pool, unused slots NaN):
   a decode row alone == the same row in a 256-row decode step; dense-causal twin == paged form.
 Negative controls: SPLIT 256 -> 64 must change bits; XLA's own attention (the auto leaf) computed
 alone vs packed is reported (its divergence is not guaranteed, so it is informational).
-Accuracy: relative L2 error against a float64 reference.
+Accuracy: relative L2 error against a float64 reference. --numerics auto's wide-tile leaf
+(triton_wide_prefill): JAX == torch launch, its error, and how many rows differ from the engine's
+launch (information: it is not batch-invariant).
 Timing (median of 10 after warm-up; per layer = one jit over 8 distinct KV pools / 8; ctx 1024): decode at batch 1/16/64/256 for the
 serial and split schedules and the XLA leaves; prefill of 4096 tokens (serial).
 Writes attention.json and attention.md to --out.
@@ -160,6 +162,20 @@ def checks(hq, hkv, d, dtype, label) -> list[dict]:
     tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5  # bf16 output rounding (2^-9) and bf16 p . v
     res.append(dict(geometry=label, check=f"rel. L2 error vs float64 (tol {tol})", differing=err,
                     ok=err <= tol))
+    # --numerics auto's leaf (triton_wide_prefill): WIDE_ROWS rows per program on this
+    # 3448-row step. Deterministic, not batch-invariant: its rows against the engine's launch are
+    # information, its two launches must agree and its error must be the leaf's.
+    wide = run(ta.paged_attention_triton_wide, q_all, pool, every, scale=scale)
+    add("auto wide tile: JAX == torch launch (every row)",
+        differ(wide, torch_run(q_all, pool, every, scale=scale, wide=True)))
+    res.append(dict(geometry=label, check="info: auto wide tile vs the engine's launch (rows)",
+                    differing=int((bits(wide) != bits(serial)).reshape(len(every), -1).any(1).sum()),
+                    ok=True))
+    at = {row: i for i, row in enumerate(every)}
+    wide_some = np.asarray(wide[np.asarray([at[row] for row in some])].astype(jnp.float32), np.float64)
+    err = float(np.linalg.norm(wide_some - ref) / np.linalg.norm(ref))
+    res.append(dict(geometry=label, check=f"auto wide tile: rel. L2 error vs float64 (tol {tol})",
+                    differing=err, ok=err <= tol))
     return res
 
 
@@ -221,12 +237,14 @@ def timings() -> list[dict]:
     table = jnp.asarray(1 + np.arange(n // PAGE, dtype=np.int32))[None]
     table = jnp.pad(table, ((0, n - 1), (0, 0)))
     q = jnp.asarray(rng.standard_normal((n, hq, d)), jnp.bfloat16)
-    f = jax.jit(lambda q, k, v, tb: ta.paged_attention_triton(
-        q, (k, v), tb, jnp.zeros(n, jnp.int32), jnp.arange(n, dtype=jnp.int32), scale=d ** -0.5))
-    ms = median_ms(lambda: f(q, k, v, table), iters=5)
     flops = 4 * hq * d * n * (n + 1) / 2
-    out.append(dict(case=f"prefill {n}", impl="triton serial", ms=ms, TFLOPs=flops / (ms * 1e-3) / 1e12))
-    print(out[-1], flush=True)
+    for name, fn in (("triton serial", ta.paged_attention_triton),
+                     ("triton wide (auto)", ta.paged_attention_triton_wide)):
+        f = jax.jit(lambda q, k, v, tb, fn=fn: fn(
+            q, (k, v), tb, jnp.zeros(n, jnp.int32), jnp.arange(n, dtype=jnp.int32), scale=d ** -0.5))
+        ms = median_ms(lambda: f(q, k, v, table), iters=5)
+        out.append(dict(case=f"prefill {n}", impl=name, ms=ms, TFLOPs=flops / (ms * 1e-3) / 1e12))
+        print(out[-1], flush=True)
     return out
 
 
@@ -243,7 +261,7 @@ def main() -> int:
         (32, 8, 128, jnp.float32, "32/8/128 f32"))
     for hq, hkv, d, dtype, label in geometries:
         results += checks(hq, hkv, d, dtype, label)
-        for r in results[-12:]:
+        for r in results[-15:]:
             print(r, flush=True)
     times = [] if args.skip_timing else timings()
     with open(os.path.join(args.out, "attention.json"), "w") as f:

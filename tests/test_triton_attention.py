@@ -206,3 +206,53 @@ def test_geometry_names_the_bad_field():
     with pytest.raises(ValueError, match="num_key_value_heads=3"):
         ta.geometry(8, 3, 64)
     assert ta.geometry(32, 8, 128)["TPP"] * ta.geometry(32, 8, 128)["GP"] == 16
+
+
+def test_auto_wide_tile_computes_every_row_of_a_prefill_step(setup, monkeypatch):
+    """triton_wide_prefill (auto only) runs prefill-sized serial steps on WIDE_ROWS rows per
+    program. Under the interpreter its rows equal the engine's launch bit for bit (numpy reduces a
+    row the same way whatever the tile), which checks its tiles cover every row and nothing else;
+    on the H200 a few rows round differently (why rl-bitwise never plans it)."""
+    k, v, tables, seqs, q, lengths = setup
+    monkeypatch.setattr(ta, "WIDE_MIN_TOKENS", 40)  # the interpreter is slow: a 62-row "prefill"
+    rows = [(0, 44), (2, 3)] + [(1, p) for p in range(240, 300)]
+    c = ta._constexprs(_q(q, rows), k)
+    assert (ta.wide_tpp(c, len(rows), "serial"), c["TPP"]) == (ta.WIDE_ROWS // c["GP"], 8)
+    assert ta.wide_tpp(c, 39, "serial") == ta.wide_tpp(c, len(rows), "split") == c["TPP"]
+    req = torch.tensor([r for r, _ in rows], dtype=torch.int32)
+    pos = torch.tensor([p for _, p in rows], dtype=torch.int32)
+    wide = ta.paged_attention_triton_wide_torch(_q(q, rows), (k, v), tables, req, pos,
+                                                scale=SCALE).numpy()
+    assert count_bit_differences(wide, _step(_q(q, rows), (k, v, tables), rows)) == 0
+    for i, (r, p) in enumerate(rows):
+        np.testing.assert_allclose(wide[i], _reference(q[r][p], *seqs[r], p), atol=1e-5, rtol=0)
+
+
+@pytest.fixture
+def registered(monkeypatch):
+    """The leaves registered as on a GPU machine with jax-triton (here it is missing)."""
+    import importlib
+
+    from pallas_kernels import _triton_launch
+    from pallas_kernels.registry import REGISTRY
+
+    assert not any(l.impl.startswith("triton") for l in REGISTRY.leaves("attention", "paged"))
+    monkeypatch.setattr(_triton_launch, "triton_available", lambda: True)
+    importlib.reload(ta)
+    yield REGISTRY
+    for name, impl in (("paged", "triton_fixed_split"), ("dense_causal", "triton_fixed_split"),
+                       ("paged", "triton_wide_prefill")):
+        REGISTRY.unregister("attention", name, impl)
+    monkeypatch.undo()
+    importlib.reload(ta)
+
+
+def test_auto_plans_the_wide_tile_and_rl_bitwise_never_does(registered):
+    def plan(features):
+        return registered.plan("attention", "paged", formats={"bf16"}, hardware="gpu",
+                               geometry={"head_dim": 128}, features=features).leaf.impl
+
+    assert plan(frozenset()) == "triton_wide_prefill"  # --numerics auto
+    assert plan(frozenset({"batch_invariant"})) == "triton_fixed_split"  # rl-bitwise
+    leaf = next(l for l in registered.leaves("attention", "paged") if l.impl == "triton_wide_prefill")
+    assert leaf.traits == {"deterministic": True, "batch_invariant": False}
