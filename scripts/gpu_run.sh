@@ -178,7 +178,7 @@ with_tiles() {  # with_tiles PY CMD...: CMD with the tile file edited by PY (a s
 }
 for s in "$@"; do
   case $s in
-    attention) step attention 240 python3 scripts/gpu_attention.py --out "$out" ;;
+    attention) step attention 420 python3 scripts/gpu_attention.py --out "$out" ;;
     mla_digest) step mla_digest 150 python3 "$(dirname "$0")/gpu_mla_digest.py" --out "$out/mla_digest.json" ;;
     mla_attention) step mla_attention 200 python3 scripts/gpu_mla_attention.py --out "$out/mla_attention" ;;
     cmdbuf_ab)
