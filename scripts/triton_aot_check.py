@@ -55,9 +55,11 @@ def gemm_kernels():
               (28672, 4096): [14336, 14336]}  # gate/up grouped
     launches = [((n, k), members, tg.tile_for(members[0], k, "bf16"))
                 for (n, k), members in shapes.items()]
-    launches += [((n, k), members, tile)  # the decode launch shapes (by_m) of the same keys
+    launches += [((n, k), members, tile)  # the launch shapes by M (by_m) of the same keys
                  for (n, k), members in shapes.items()
                  for _, tile in TILES.by_m.get((members[0], k, "bf16"), ())]
+    # once each: a by_m rule may name the entry's own tile (64 < M <= 128 keeps it)
+    launches = [launch for i, launch in enumerate(launches) if launch not in launches[:i]]
     for (n, k), members, tile in launches:
         for partial in (False, True):
             out = "*fp32" if partial else "*bf16"
@@ -127,6 +129,10 @@ def attention_kernels():
             label = f"attention hq={hq} hkv={hkv} D={d} {dtype}"
             yield (label + " serial", K.attention_serial_kernel,
                    dict(inputs, out_ptr=f"*{dtype}"), c, launch)
+            wide = ta.wide_tpp(c, ta.WIDE_MIN_TOKENS, "serial")
+            if wide != c["TPP"]:  # --numerics auto's prefill tile (triton_wide_prefill)
+                yield (label + f" serial wide TPP={wide}", K.attention_serial_kernel,
+                       dict(inputs, out_ptr=f"*{dtype}"), dict(c, TPP=wide), launch)
             parts = {"sem_in_ptr": "*i32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
                      "part_acc_ptr": "*fp32", "out_ptr": f"*{dtype}", "sem_ptr": "*i32"}
             yield (label + " split", K.attention_split_kernel, dict(inputs, **parts),

@@ -1,5 +1,5 @@
-"""The GEMM, attention, rope_write and MLA attention kernels compile for the H200 (sm_90), checked
-on the CPU by Triton's own compiler.
+"""The GEMM (every tile and by_m launch shape), attention (auto's wide prefill tile too), rope_write
+and MLA attention kernels compile for the H200 (sm_90), checked on the CPU by Triton's own compiler.
 
 A subprocess, because the interpreter tests switch this process's Triton to interpreting mode. This
 is a compile check only (no bits, no timings): it keeps a kernel that cannot compile for the GPU
@@ -30,6 +30,8 @@ def test_every_tuned_gemm_and_attention_launch_compiles_for_sm90(tmp_path):
     lines = proc.stdout.splitlines()
     assert any("4096+1024+1024" in line and "split" in line for line in lines), lines
     assert any(line.startswith("ok    attention hq=32 hkv=8 D=128 bf16 split") for line in lines)
+    assert any(line.startswith("ok    attention hq=32 hkv=8 D=128 bf16 serial wide TPP=16")
+               for line in lines)  # --numerics auto's prefill tile
     assert any(line.startswith("ok    rope_write hq=32 hkv=8 D=128 bf16") for line in lines)
     assert any(line.startswith("ok    mla h=128 R=512 P=64 bf16 split") for line in lines)
     assert all(line.startswith("ok ") for line in lines), lines
