@@ -36,6 +36,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import gpu_attention_rows as timing  # noqa: E402 -- median_ms: CUDA events, median after warm-up
 
 SHAPES = {"q/o_proj": (4096, 4096, 4), "gate_up (one GEMM)": (4096, 28672, 2),
           "down_proj": (14336, 4096, 4)}  # name: (K, N, k_split)
@@ -44,7 +47,11 @@ CANDIDATES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
               (128, 128, 64, 4, 3), (128, 256, 64, 8, 4)]
 SMOKE_SHAPES = {"tiny": (256, 64, 4)}
 SMOKE_CANDIDATES = [(16, 32, 16, 4, 2)]
-DEV = "cuda"
+DEV = "cuda"  # --smoke: "cpu" under the interpreter
+
+
+def median_ms(fn) -> float:
+    return float("nan") if DEV == "cpu" else timing.median_ms(fn)
 
 
 def define_kernel():
@@ -117,22 +124,6 @@ def bits_differ(a, b) -> int:
 
 def fmt_ms(v) -> str:
     return "-" if v is None or v != v else f"{v:.3f}"
-
-
-def median_ms(fn, iters=20) -> float:
-    if DEV == "cpu":
-        return float("nan")
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> int:
