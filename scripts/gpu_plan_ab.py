@@ -1,8 +1,9 @@
 """The bench's model rows with some leaves taken out of the registry: what a different plan would
 give, before anyone changes a priority. An experiment for issue #19.
 
-    python scripts/gpu_plan_ab.py --without attention.paged.triton_fixed_split \\
-        -- --numerics auto --batch-sizes 1 64 --iters 10 --long-context 0
+    python scripts/gpu_plan_ab.py --without attention.paged.triton_wide_prefill \\
+        attention.paged.triton_fixed_split -- --numerics auto --batch-sizes 1 64 --iters 10 \\
+        --long-context 0
 
 Everything after `--` is `jengine bench`'s own options for one model part (one --numerics).
 The leaves named by --without (family.name.impl) are unregistered before the runner plans, so

@@ -190,8 +190,8 @@ for s in "$@"; do
       XLA_FLAGS="--xla_gpu_enable_command_buffer=" step model_cbuf_off 240 python3 -m jengine.cli bench --parts model --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 115 --out "$out/model_cbuf_off" ;;
     plan_ab_attention)  # auto's model rows with the Triton attention, then with XLA's (the next leaf)
       step model_auto_default 200 python3 -m jengine.cli bench --parts model --numerics auto --iters 10 --batch-sizes 1 64 --long-context 0 --part-timeout 190 --out "$out/model_auto_default"
-      step model_auto_xla_attention 200 python3 scripts/gpu_plan_ab.py --without attention.paged.triton_fixed_split --out "$out/model_auto_xla_attention.json" -- --numerics auto --iters 10 --batch-sizes 1 64 --long-context 0 ;;
-    plan_ab_xla_attention_only) step model_auto_xla_attention 200 python3 scripts/gpu_plan_ab.py --without attention.paged.triton_fixed_split --out "$out/model_auto_xla_attention.json" -- --numerics auto --iters 10 --batch-sizes 1 64 --long-context 0 ;;
+      step model_auto_xla_attention 200 python3 scripts/gpu_plan_ab.py --without attention.paged.triton_wide_prefill attention.paged.triton_fixed_split --out "$out/model_auto_xla_attention.json" -- --numerics auto --iters 10 --batch-sizes 1 64 --long-context 0 ;;
+    plan_ab_xla_attention_only) step model_auto_xla_attention 200 python3 scripts/gpu_plan_ab.py --without attention.paged.triton_wide_prefill attention.paged.triton_fixed_split --out "$out/model_auto_xla_attention.json" -- --numerics auto --iters 10 --batch-sizes 1 64 --long-context 0 ;;
     triton_call_ab)
       JENGINE_TRITON_CALL=legacy step model_triton_legacy 240 python3 -m jengine.cli bench --parts model --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 115 --out "$out/model_triton_legacy"
       JENGINE_TRITON_CALL=ffi step model_triton_ffi 240 python3 -m jengine.cli bench --parts model --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 115 --out "$out/model_triton_ffi" ;;
