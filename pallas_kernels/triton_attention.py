@@ -158,6 +158,16 @@ def wide_tpp(c: dict, num_tokens: int, schedule: str) -> int:
     return c["TPP"]
 
 
+def _plan(q, k_cache, schedule: str | None, wide: bool) -> tuple[str, dict]:
+    """(schedule, constexprs) of a step of q.shape[0] token rows: both hosts launch from this."""
+    t = q.shape[0]
+    c = _constexprs(q, k_cache)
+    schedule = schedule or schedule_for(t)
+    if wide:
+        c["TPP"] = wide_tpp(c, t, schedule)
+    return schedule, c
+
+
 def paged_attention_triton(q, kv, block_tables, token_req, positions, *, scale,
                            schedule: str | None = None, wide: bool = False):
     """q [T, Hq, D]; kv = (k_pages, v_pages), each [Np, page_size, Hkv, D]; block_tables [R, P];
@@ -165,10 +175,7 @@ def paged_attention_triton(q, kv, block_tables, token_req, positions, *, scale,
     k_cache, v_cache = kv
     _check(q, k_cache, v_cache)
     t = q.shape[0]
-    c = _constexprs(q, k_cache)
-    schedule = schedule or schedule_for(t)
-    if wide:
-        c["TPP"] = wide_tpp(c, t, schedule)
+    schedule, c = _plan(q, k_cache, schedule, wide)
     page_size, width = k_cache.shape[1], block_tables.shape[1]
     positions = positions.astype(jnp.int32)
     tiles = tiles_jax(token_req, positions, c["TPP"])
@@ -228,10 +235,7 @@ def paged_attention_triton_torch(q, kv, block_tables, token_req, positions, *, s
     block_tables = contiguous(block_tables.to(torch.int32))
     positions = contiguous(positions.to(torch.int32))
     t = q.shape[0]
-    c = _constexprs(q, k_cache)
-    schedule = schedule or schedule_for(t)
-    if wide:
-        c["TPP"] = wide_tpp(c, t, schedule)
+    schedule, c = _plan(q, k_cache, schedule, wide)
     page_size, width = k_cache.shape[1], block_tables.shape[1]
     tiles = tiles_torch(token_req, positions, c["TPP"])
     inputs = (q, k_cache, v_cache, block_tables, positions, tiles, t, page_size, width,
