@@ -170,18 +170,11 @@ def test_geometry_names_the_bad_field():
 
 @pytest.fixture
 def registered(monkeypatch):
-    """Register the two leaves as on a machine with jax-triton (here it is missing), then remove
-    them: what the engine and the trainer's twin table would plan on a GPU."""
-    from pallas_kernels import _triton_launch
-
-    assert not any(l.impl == "triton_fixed_split" for l in REGISTRY.leaves("attention", "mla_paged"))
-    monkeypatch.setattr(_triton_launch, "triton_available", lambda: True)
-    module = importlib.reload(tm)
-    yield module
-    for name in ("mla_paged", "mla_dense_causal"):
-        REGISTRY.unregister("attention", name, "triton_fixed_split")
-    monkeypatch.undo()
-    importlib.reload(tm)
+    """The two leaves registered as on a machine with jax-triton (here it is missing), then
+    removed: what the engine and the trainer's twin table would plan on a GPU."""
+    yield from triton_interpreter.registered_as_on_a_gpu(
+        monkeypatch, tm, [("attention", "mla_paged", "triton_fixed_split"),
+                          ("attention", "mla_dense_causal", "triton_fixed_split")])
 
 
 def test_gpu_plans_pick_the_triton_leaf_and_the_cpu_keeps_its_own(registered):

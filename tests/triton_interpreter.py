@@ -56,3 +56,21 @@ def _fixed_order_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
 
 if AVAILABLE:
     _interp.InterpreterBuilder.create_dot = _fixed_order_dot
+
+
+def registered_as_on_a_gpu(monkeypatch, module, leaves):
+    """For a fixture (`yield from`): reload a Triton leaf module as on a GPU machine with
+    jax-triton (here it is missing), so it registers its leaves; yield the module; then take
+    `leaves` ((family, name, impl), ...) out of the registry and reload the module as it was.
+    What the engine and the trainer's twin table would plan on a GPU."""
+    from pallas_kernels import _triton_launch
+    from pallas_kernels.registry import REGISTRY
+
+    for family, name, impl in leaves:
+        assert not any(l.impl == impl for l in REGISTRY.leaves(family, name)), (family, name, impl)
+    monkeypatch.setattr(_triton_launch, "triton_available", lambda: True)
+    yield importlib.reload(module)
+    for family, name, impl in leaves:
+        REGISTRY.unregister(family, name, impl)
+    monkeypatch.undo()
+    importlib.reload(module)
