@@ -124,13 +124,50 @@ def _gemm_chunk(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, k_lo,
 
 
 @triton.jit
+def _gemm_flat(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, N, K: tl.constexpr, KC: tl.constexpr,
+               IEEE_F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               EVEN_N: tl.constexpr):
+    """Every K chunk of a tile in one loop: `_gemm_chunk`'s steps, a chunk's accumulator closed
+    into the running total when the chunk ends (the first chunk *is* the total: no 0 + c0, which
+    would turn a -0.0 into +0.0) and started again from zero. The serial schedule's operations on
+    the same values, so its bits; but one loop, which Triton pipelines across chunk boundaries
+    (the serial form's KSPLIT loops each fill and drain their own pipeline). K % (KSPLIT * BK) ==
+    0 (_check_tile), so every load is whole in K."""
+    offs_k = tl.arange(0, BK)
+    x_ptrs = x_ptr + rm[:, None] * K + offs_k[None, :]
+    w_ptrs = w_ptr + offs_k[:, None] * N + offs_n[None, :]
+    CHUNK: tl.constexpr = KC // BK  # K blocks per chunk
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    total = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in range(0, K // BK):
+        a = tl.load(x_ptrs, mask=row_ok, other=0.0)
+        if EVEN_N:
+            b = tl.load(w_ptrs)
+        else:
+            b = tl.load(w_ptrs, mask=col_ok, other=0.0)
+        if IEEE_F32:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        if (kb + 1) % CHUNK == 0:  # a chunk ends: into the total, in chunk order
+            total = tl.where(kb + 1 == CHUNK, acc, total + acc)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+        x_ptrs += BK
+        w_ptrs += BK * N
+    return total
+
+
+@triton.jit
 def _gemm_tile(x_ptr, w_ptr, bias_ptr, out_ptr, M, pid_m, pid_n, chunk,
                N, K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE_F32: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                KSPLIT: tl.constexpr, PARTIAL: tl.constexpr, EVEN_N: tl.constexpr,
-               final_ptr=None, sem_ptr=None, tile_id=0, FUSED: tl.constexpr = False):
+               final_ptr=None, sem_ptr=None, tile_id=0, FUSED: tl.constexpr = False,
+               FLAT_K: tl.constexpr = False):
     """Output tile (pid_m, pid_n) of out[M, N] = x @ w: every chunk and the epilogue (serial), or
     chunk `chunk`'s f32 sum into out_ptr[chunk, M, N] (split). The one body the GEMM kernels run.
+
+    FLAT_K (serial only, k_split > 1): the chunks in one K loop (`_gemm_flat`), not one loop each.
 
     FUSED (split only): the reduce runs here instead of in gemm_reduce_kernel. Each program stores
     its chunk, then counts itself in sem_ptr[tile_id] (last_to_arrive); the program that
@@ -167,11 +204,15 @@ def _gemm_tile(x_ptr, w_ptr, bias_ptr, out_ptr, M, pid_m, pid_n, chunk,
                 tl.store(final_ptr + in_tile, total.to(final_ptr.dtype.element_ty),
                          mask=row_ok & col_ok)
     else:
-        acc = _gemm_chunk(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, 0, N, K, KC, IEEE_F32,
-                          BM, BN, BK, EVEN_N)
-        for c in tl.static_range(1, KSPLIT):
-            acc = acc + _gemm_chunk(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, c * KC, N, K, KC,
-                                    IEEE_F32, BM, BN, BK, EVEN_N)
+        if FLAT_K:
+            acc = _gemm_flat(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, N, K, KC, IEEE_F32,
+                             BM, BN, BK, EVEN_N)
+        else:
+            acc = _gemm_chunk(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, 0, N, K, KC, IEEE_F32,
+                              BM, BN, BK, EVEN_N)
+            for c in tl.static_range(1, KSPLIT):
+                acc = acc + _gemm_chunk(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, c * KC, N, K,
+                                        KC, IEEE_F32, BM, BN, BK, EVEN_N)
         if HAS_BIAS:
             bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
             acc = acc + bias[None, :]
@@ -197,7 +238,7 @@ def fixed_tile_gemm_kernel(
     N: tl.constexpr, K: tl.constexpr,
     HAS_BIAS: tl.constexpr, IEEE_F32: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    KSPLIT: tl.constexpr, PARTIAL: tl.constexpr,
+    KSPLIT: tl.constexpr, PARTIAL: tl.constexpr, FLAT_K: tl.constexpr,
 ):
     """out[M, N] = cast(x[M, K] @ w[K, N] (+ bias[N]) in f32). Row-major, contiguous operands.
 
@@ -205,13 +246,14 @@ def fixed_tile_gemm_kernel(
     chunk sums are added in order: ((c0 + c1) + c2) + ... Serial schedule (PARTIAL=False): one
     program does every chunk and the epilogue. Split schedule (PARTIAL=True, grid axis 1 = chunk):
     each program stores its chunk's f32 sum to out_ptr[chunk, M, N] and gemm_reduce_kernel adds
-    them in the same order. Same operations either way, so the same bits.
+    them in the same order. Same operations either way, so the same bits. FLAT_K: the serial
+    schedule's chunks in one K loop (a tile's `flat_k`).
     """
     pid_m, pid_n = _tile_of(tl.program_id(0), M, (N + BN - 1) // BN, BM, GROUP_M)
     chunk = tl.program_id(1)  # 0 on the serial schedule's 1-D grid
     EVEN_N: tl.constexpr = N % BN == 0
     _gemm_tile(x_ptr, w_ptr, bias_ptr, out_ptr, M, pid_m, pid_n, chunk, N, K, HAS_BIAS, IEEE_F32,
-               BM, BN, BK, KSPLIT, PARTIAL, EVEN_N)
+               BM, BN, BK, KSPLIT, PARTIAL, EVEN_N, FLAT_K=FLAT_K)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -264,7 +306,7 @@ def grouped_gemm_kernel(
     N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, K: tl.constexpr,
     HAS_BIAS: tl.constexpr, IEEE_F32: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    KSPLIT: tl.constexpr, PARTIAL: tl.constexpr, EVEN_N: tl.constexpr,
+    KSPLIT: tl.constexpr, PARTIAL: tl.constexpr, FLAT_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     """Two or three GEMMs of one x (q/k/v, gate/up) in one launch: out_i = x @ w_i (+ b_i).
 
@@ -279,7 +321,7 @@ def grouped_gemm_kernel(
     _gemm_tile(x_ptr, _pick(in1, in2, w0_ptr, w1_ptr, w2_ptr),
                _pick(in1, in2, b0_ptr, b1_ptr, b2_ptr),
                _pick(in1, in2, out0_ptr, out1_ptr, out2_ptr), M, pid_m, pid_n, tl.program_id(1), n,
-               K, HAS_BIAS, IEEE_F32, BM, BN, BK, KSPLIT, PARTIAL, EVEN_N)
+               K, HAS_BIAS, IEEE_F32, BM, BN, BK, KSPLIT, PARTIAL, EVEN_N, FLAT_K=FLAT_K)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -307,7 +349,7 @@ def expert_gemm_kernel(
     N: tl.constexpr, K: tl.constexpr,
     HAS_BIAS: tl.constexpr, IEEE_F32: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    KSPLIT: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    KSPLIT: tl.constexpr, PARTIAL: tl.constexpr, FLAT_K: tl.constexpr, BLOCK_ROWS: tl.constexpr,
 ):
     """Routed experts' GEMMs in one launch (pallas_kernels/moe_grouped_gemm.py): out[r] =
     x[r] @ w[e] with e = tile_expert[r // BLOCK_ROWS], w [E, K, N], rows sorted by expert.
@@ -323,7 +365,8 @@ def expert_gemm_kernel(
     expert = tl.load(tile_expert_ptr + (pid_m * BM) // BLOCK_ROWS)
     if expert >= 0:
         _gemm_tile(x_ptr, w_ptr + expert.to(tl.int64) * (K * N), w_ptr, out_ptr, M, pid_m, pid_n,
-                   chunk, N, K, HAS_BIAS, IEEE_F32, BM, BN, BK, KSPLIT, PARTIAL, EVEN_N)
+                   chunk, N, K, HAS_BIAS, IEEE_F32, BM, BN, BK, KSPLIT, PARTIAL, EVEN_N,
+                   FLAT_K=FLAT_K)
     else:
         rm = tl.arange(0, BM)
         offs_n = pid_n * BN + tl.arange(0, BN)

@@ -12,7 +12,8 @@ changes how many tiles are launched. The launch shape (BM, BN, BK, warps, stages
 (a table's `by_m` rules give decode steps smaller tiles): on the H200 every launch shape on the
 same K chunks gave 0 differing f32 outputs (scripts/gpu_gemm_decode_tiles.py).
 
-Two schedules compute exactly that: `serial` (one program per output tile does every chunk) and
+Two schedules compute exactly that: `serial` (one program per output tile does every chunk -- in
+one K loop for a tile with `flat_k`, one loop per chunk otherwise) and
 `split` (one program per tile and chunk, then gemm_reduce_kernel -- or, for a tile with
 `fused_reduce`, the tile's last program adds the chunks in the same order inside the one launch).
 Small M has too few output tiles to fill the GPU, so it takes `split`; tiles with
@@ -82,11 +83,17 @@ def schedule_for(m: int, n: int, tile: GemmTile, schedule: str | None = None) ->
     return "split" if tile.k_split > 1 and (few or tile.split_at_every_m) else "serial"
 
 
+def _flat_k(tile: GemmTile, schedule: str) -> bool:
+    """The serial schedule's chunks in one K loop (a tile's flat_k; chunks exist at k_split > 1)."""
+    return tile.flat_k and tile.k_split > 1 and schedule == "serial"
+
+
 def _launches(m, k, n, dtype, bias, tile: GemmTile, schedule: str):
     """(grid, constexprs) of the GEMM kernel and, for the split schedule, of the reduce kernel."""
     consts = dict(N=n, K=k, HAS_BIAS=bias is not None, IEEE_F32=dtype_name(dtype) == "f32",
                   BM=tile.block_m, BN=tile.block_n, BK=tile.block_k, GROUP_M=tile.group_m,
-                  KSPLIT=tile.k_split, PARTIAL=schedule == "split")
+                  KSPLIT=tile.k_split, PARTIAL=schedule == "split",
+                  FLAT_K=_flat_k(tile, schedule))
     tiles = cdiv(m, tile.block_m) * cdiv(n, tile.block_n)
     if schedule == "serial":
         return ((tiles,), consts), None
@@ -96,7 +103,7 @@ def _launches(m, k, n, dtype, bias, tile: GemmTile, schedule: str):
 
 def _fused(consts: dict) -> dict:
     """The split kernels' constexprs for their fused-reduce forms (which always split)."""
-    return {k: v for k, v in consts.items() if k != "PARTIAL"}
+    return {k: v for k, v in consts.items() if k not in ("PARTIAL", "FLAT_K")}
 
 
 def gemm_triton(x, w, bias=None, *, out_dtype, tile: GemmTile | None = None,
@@ -180,7 +187,7 @@ def _group_launches(m, k, ns, dtype, has_bias, tile: GemmTile, schedule: str | N
     consts = dict(N0=n0, N1=n1, N2=n2, K=k, HAS_BIAS=has_bias, IEEE_F32=dtype_name(dtype) == "f32",
                   BM=tile.block_m, BN=tile.block_n, BK=tile.block_k, GROUP_M=tile.group_m,
                   KSPLIT=tile.k_split, PARTIAL=schedule == "split",
-                  EVEN_N=all(n % tile.block_n == 0 for n in ns))
+                  FLAT_K=_flat_k(tile, schedule), EVEN_N=all(n % tile.block_n == 0 for n in ns))
     tiles = cdiv(m, tile.block_m) * col_tiles
     if schedule == "serial":
         return ((tiles,), consts), None

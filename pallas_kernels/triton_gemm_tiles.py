@@ -52,13 +52,18 @@ class GemmTile:
     # chunks, in the same order): one launch instead of two, for decode steps where a launch's
     # host and device overhead is a share of the step.
     fused_reduce: bool = False
+    # The serial schedule walks every chunk in one K loop, closing a chunk into the running sum
+    # when it ends (the same operations, so the same bits), instead of one loop per chunk: one
+    # software pipeline over the whole of K, and no chunk-boundary drain.
+    flat_k: bool = False
 
     def describe(self) -> str:
         split = f" k{self.k_split}" if self.k_split > 1 else ""
         always = " split-always" if self.split_at_every_m and self.k_split > 1 else ""
         fused = " fused" if self.fused_reduce and self.k_split > 1 else ""
+        flat = " flat-k" if self.flat_k and self.k_split > 1 else ""
         return (f"BM{self.block_m}xBN{self.block_n}xBK{self.block_k} g{self.group_m} "
-                f"w{self.num_warps} s{self.num_stages}{split}{always}{fused}")
+                f"w{self.num_warps} s{self.num_stages}{split}{always}{fused}{flat}")
 
 
 class TileTableError(ValueError):

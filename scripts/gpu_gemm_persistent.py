@@ -1,4 +1,5 @@
-"""Would a persistent Triton GEMM on the contract's K chunks close rl-bitwise's prefill gap? (#19)
+"""Would a persistent Triton GEMM -- or the engine's flat-K serial schedule -- on the contract's K
+chunks close rl-bitwise's prefill gap? (#19)
 
     python scripts/gpu_gemm_persistent.py [--out DIR] [--rows 1024 4096] [--smoke]
 
@@ -10,14 +11,18 @@ order (pallas_kernels/_triton_kernels.py) -- but one program per SM walks output
 GEMM's grouped order, and inside a tile one flat loop runs every K block, closing a chunk into the
 running total when it ends (the first chunk *is* the total, as in the serial schedule: no 0 + c0
 that would turn a -0.0 into +0.0). No partials leave the registers. So the same bits are expected;
-this measures it and the time:
+this measures it and the time. It also times the engine's own form of that loop, one program per
+output tile: a tile's `flat_k` (pallas_kernels/_triton_kernels._gemm_flat, the serial schedule's
+chunks in one K loop), launched through gemm_triton_torch exactly as a table entry with flat_k
+would launch it -- if it is as fast, turning it on is a tile-table edit:
 
   bits    f32 outputs against the engine's launch of the same K chunks (gemm_triton_torch with the
           table's tile), float bits, inputs as scripts/gpu_gemm_decode_tiles.py makes them (rows
           scaled 1e-3 .. 1e3, zeros and -0.0 in x). Control: the persistent kernel at twice the
           chunks must differ.
   timing  ms per GEMM (CUDA events, median of 20 after warm-up) of the engine's launch, each
-          persistent launch shape, and torch.matmul (cuBLAS, auto's GEMM), at --rows.
+          persistent launch shape, each flat_k launch shape, and torch.matmul (cuBLAS, auto's
+          GEMM), at --rows.
 
 Shapes: q/o and down_proj (k_split 4), gate/up as one N = 28672 GEMM (k_split 2, what the grouped
 launch computes). Writes gemm_persistent.json / .md to --out. --smoke: the bits part on the CPU
@@ -49,6 +54,10 @@ SMOKE_SHAPES = {"tiny": (256, 64, 4)}
 # The smoke's engine tile is BM16xBN32xBK16 too: the interpreter checks the K schedule's logic,
 # not what another launch shape does on a GPU (only the H200 run can say that).
 SMOKE_CANDIDATES = [(16, 32, 16, 4, 2)]
+# The engine's flat_k serial schedule, one program per output tile (BM, BN, BK, warps, stages).
+FLAT_CANDIDATES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
+                   (64, 128, 64, 4, 4)]
+SMOKE_FLAT_CANDIDATES = [(16, 32, 16, 4, 2), (32, 16, 16, 4, 2)]
 DEV = "cuda"  # --smoke: "cpu" under the interpreter
 
 
@@ -109,12 +118,25 @@ def persistent(kernel, x, w, k_split, cand, out_dtype, num_sms):
     return out
 
 
+def flat_tile(engine_tile, cand):
+    """The engine's tile at launch shape `cand`, serial schedule in one K loop (same k_split)."""
+    import dataclasses
+
+    bm, bn, bk, warps, stages = cand
+    return dataclasses.replace(engine_tile, block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
+                               num_stages=stages, split_at_every_m=False, fused_reduce=False,
+                               flat_k=True)
+
+
 def inputs(m, k, n, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g)
     x = x * torch.logspace(-3, 3, m)[:, None]
     x[:, ::17] = 0.0
     x[:, 5::19] = -0.0
+    if m > 2:  # whole rows of +0.0 and -0.0: the signed zeros of a first chunk
+        x[1] = 0.0
+        x[2] = -0.0
     w = torch.randn(k, n, generator=g) * k ** -0.5
     return x.to(torch.bfloat16).to(DEV), w.to(torch.bfloat16).to(DEV)
 
@@ -145,6 +167,7 @@ def main() -> int:
     kernel = define_kernel()
     num_sms = 4 if args.smoke else torch.cuda.get_device_properties(0).multi_processor_count
     shapes, cands = (SMOKE_SHAPES, SMOKE_CANDIDATES) if args.smoke else (SHAPES, CANDIDATES)
+    flat_cands = SMOKE_FLAT_CANDIDATES if args.smoke else FLAT_CANDIDATES
     rows = [3, 40] if args.smoke else args.rows
     os.makedirs(args.out, exist_ok=True)
     result, t0 = [], time.monotonic()
@@ -162,7 +185,8 @@ def main() -> int:
             row = dict(shape=name, m=m, engine_tile=engine_tile.describe(),
                        engine_ms=median_ms(lambda: tg.gemm_triton_torch(
                            x, w, out_dtype="bf16", tile=engine_tile)),
-                       cublas_ms=None if args.smoke else median_ms(lambda: x @ w), persistent={})
+                       cublas_ms=None if args.smoke else median_ms(lambda: x @ w), persistent={},
+                       flat={})
             control = persistent(kernel, x, w, 2 * k_split, cands[0], torch.float32, num_sms)
             row["control_differ"] = bits_differ(ref, control)
             for cand in cands:
@@ -175,21 +199,34 @@ def main() -> int:
                 except Exception as exc:  # noqa: BLE001 -- a shape that does not compile is a result
                     row["persistent"][label] = dict(error=f"{type(exc).__name__}: {str(exc)[:160]}")
                 print(f"{name} M={m} {label}: {row['persistent'][label]}", flush=True)
+            for cand in flat_cands:
+                tile = flat_tile(engine_tile, cand)
+                label = "BM{}xBN{}xBK{} w{} s{}".format(*cand)
+                try:
+                    out = tg.gemm_triton_torch(x, w, out_dtype="f32", tile=tile, schedule="serial")
+                    ms = median_ms(lambda: tg.gemm_triton_torch(x, w, out_dtype="bf16", tile=tile,
+                                                                schedule="serial"))
+                    row["flat"][label] = dict(differ=bits_differ(ref, out), ms=ms)
+                except Exception as exc:  # noqa: BLE001 -- a shape that does not compile is a result
+                    row["flat"][label] = dict(error=f"{type(exc).__name__}: {str(exc)[:160]}")
+                print(f"{name} M={m} flat_k {label}: {row['flat'][label]}", flush=True)
             print(f"{name} M={m}: engine {row['engine_ms']} ms, cuBLAS {row['cublas_ms']} ms, "
                   f"control differs in {row['control_differ']}", flush=True)
             result.append(row)
     with open(os.path.join(args.out, "gemm_persistent.json"), "w") as f:
         json.dump(result, f, indent=1)
-    lines = ["| shape | M | engine launch ms | cuBLAS ms | persistent launch | f32 outputs differing "
+    lines = ["| shape | M | engine launch ms | cuBLAS ms | candidate launch | f32 outputs differing "
              "from the engine's | ms |", "|---|---|---|---|---|---|---|"]
     for r in result:
         if r.get("skipped"):
             lines.append(f"| {r['shape']} | {r['m']} | skipped (budget) | | | | |")
             continue
-        for label, v in r["persistent"].items():
-            engine, cublas, t = fmt_ms(r["engine_ms"]), fmt_ms(r["cublas_ms"]), fmt_ms(v.get("ms"))
-            lines.append(f"| {r['shape']} | {r['m']} | {engine} | {cublas} | {label} | "
-                         f"{v.get('differ', v.get('error'))} | {t} |")
+        for kind in ("persistent", "flat"):
+            for label, v in r[kind].items():
+                engine, cublas = fmt_ms(r["engine_ms"]), fmt_ms(r["cublas_ms"])
+                what = label if kind == "persistent" else f"flat_k serial {label}"
+                lines.append(f"| {r['shape']} | {r['m']} | {engine} | {cublas} | {what} | "
+                             f"{v.get('differ', v.get('error'))} | {fmt_ms(v.get('ms'))} |")
         lines.append(f"| {r['shape']} | {r['m']} | control: twice the chunks | | | "
                      f"{r['control_differ']} (must be > 0) | |")
     with open(os.path.join(args.out, "gemm_persistent.md"), "w") as f:

@@ -61,13 +61,16 @@ def gemm_kernels():
     # once each: a by_m rule may name the entry's own tile (64 < M <= 128 keeps it)
     launches = [launch for i, launch in enumerate(launches) if launch not in launches[:i]]
     for (n, k), members, tile in launches:
-        for partial in (False, True):
+        # The serial schedule in one K loop too, for every tile with K chunks: a table may give
+        # any of them flat_k (the same bits; its speed is the H200's to measure).
+        flats = (False, True) if tile.k_split > 1 else (False,)
+        for partial, flat in [(False, f) for f in flats] + [(True, False)]:
             out = "*fp32" if partial else "*bf16"
             common = dict(K=k, HAS_BIAS=False, IEEE_F32=False, BM=tile.block_m, BN=tile.block_n,
                           BK=tile.block_k, GROUP_M=tile.group_m, KSPLIT=tile.k_split,
-                          PARTIAL=partial)
+                          PARTIAL=partial, FLAT_K=flat)
             label = f"N={'+'.join(map(str, members))} K={k} {tile.describe()} " + (
-                "split" if partial else "serial")
+                "split" if partial else "serial flat-k" if flat else "serial")
             if len(members) == 1:
                 args = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", M="i32", out_ptr=out)
                 yield label, K.fixed_tile_gemm_kernel, args, dict(N=n, **common), tile
@@ -78,10 +81,10 @@ def gemm_kernels():
                         "M": "i32", "out0_ptr": out, "out1_ptr": out, "out2_ptr": out}
                 consts = dict(N0=n0, N1=n1, N2=n2, **common,
                               EVEN_N=all(m % tile.block_n == 0 for m in members))
-                # grouped_gemm_kernel's constexpr order: N0 N1 N2 K HAS_BIAS ... PARTIAL EVEN_N
+                # grouped_gemm_kernel's constexpr order: N0 N1 N2 K HAS_BIAS ... FLAT_K EVEN_N
                 yield label, K.grouped_gemm_kernel, args, consts, tile
             if partial and tile.fused_reduce:  # the split schedule with its reduce inside
-                fused = {key: v for key, v in common.items() if key != "PARTIAL"}
+                fused = {key: v for key, v in common.items() if key not in ("PARTIAL", "FLAT_K")}
                 if len(members) == 1:
                     args = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", M="i32",
                                 sem_in_ptr="*i32", part_ptr="*fp32", out_ptr="*bf16",

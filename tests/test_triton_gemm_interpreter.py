@@ -64,24 +64,58 @@ def test_another_launch_shape_on_the_same_k_chunks_keeps_every_bit(operands, sha
                 schedule, m)
 
 
+def _assert_split_bits(operands, members, tile, schedule, group_rows):
+    """`tile` on `schedule` gives the split schedule's bits on TILE's K chunks: alone with and
+    without bias at M = 1, 33 and 70, and as every member of a grouped launch of group_rows."""
+    x, w, b = operands
+    for bias in (None, b):
+        ref = _gemm(x, w, bias, "split")
+        for m in (1, 33, 70):
+            assert count_bit_differences(ref[:m], _gemm(x[:m], w, bias, schedule, tile)) == 0, m
+    ws, bs = members
+    for biases in (None, bs):
+        outs = triton_gemm.gemm_group_triton_torch(x[:group_rows], ws, biases, out_dtype="f32",
+                                                   tile=tile, schedule=schedule)
+        for i, wi in enumerate(ws):
+            alone = _gemm(x[:group_rows], wi, None if biases is None else biases[i], "split")
+            assert count_bit_differences(alone, outs[i].numpy()) == 0, i
+
+
 def test_the_fused_reduce_keeps_every_bit(operands, members):
     """A tile's fused_reduce: the last of a tile's chunk programs adds the chunks (a counter per
     output tile) instead of gemm_reduce_kernel -- the same additions in the same order."""
     import dataclasses
 
+    _assert_split_bits(operands, members, dataclasses.replace(TILE, fused_reduce=True), "split",
+                       33)
+
+
+def test_the_flat_k_loop_keeps_every_bit(operands, members):
+    """A tile's flat_k: the serial schedule's chunks in one K loop, a chunk closed into the running
+    sum when it ends -- the serial form's additions in the same order. Checked against the split
+    schedule (the serial one agrees, above), with and without bias, masked columns (N = 80), one
+    and three row tiles, and in the grouped launch; the split schedule and a tile without chunks
+    keep their own loops."""
+    import dataclasses
+
+    x = operands[0]
+    flat = dataclasses.replace(TILE, flat_k=True)
+    _assert_split_bits(operands, members, flat, "serial", 70)
+    (_, consts), _ = triton_gemm._launches(70, K, N, x.dtype, None, flat, "serial")
+    assert consts["FLAT_K"] and not consts["PARTIAL"]
+    (_, consts), _ = triton_gemm._launches(70, K, N, x.dtype, None, flat, "split")
+    assert not consts["FLAT_K"] and consts["PARTIAL"]
+    one_chunk = triton_gemm.GemmTile(32, 32, 32, k_split=1, flat_k=True)
+    (_, consts), _ = triton_gemm._launches(70, K, N, x.dtype, None, one_chunk, "serial")
+    assert not consts["FLAT_K"]  # no chunks to close: the plain loop
+
+
+def test_the_flat_k_loop_negative_control_chunks_closed_twice_as_often_differ(operands):
+    """The check above can fail: the flat loop at twice the chunks (k_split 8) differs from the
+    split schedule at k_split 4 -- so it does compare where the chunks close."""
     x, w, b = operands
-    fused = dataclasses.replace(TILE, fused_reduce=True)
-    for bias in (None, b):
-        ref = _gemm(x, w, bias, "split")
-        for m in (1, 33, 70):
-            assert count_bit_differences(ref[:m], _gemm(x[:m], w, bias, "split", fused)) == 0, m
-    ws, bs = members
-    for biases in (None, bs):
-        outs = triton_gemm.gemm_group_triton_torch(x[:33], ws, biases, out_dtype="f32", tile=fused,
-                                                   schedule="split")
-        for i, wi in enumerate(ws):
-            alone = _gemm(x[:33], wi, None if biases is None else biases[i], "split")
-            assert count_bit_differences(alone, outs[i].numpy()) == 0, i
+    eight = triton_gemm.GemmTile(32, 32, 32, num_warps=4, num_stages=2, k_split=8, flat_k=True)
+    assert count_bit_differences(_gemm(x, w, b, "split"), _gemm(x, w, b, "serial", eight)) > 0
 
 
 def _fused_launch(x, w, bias, sems):

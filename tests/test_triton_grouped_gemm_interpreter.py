@@ -52,9 +52,9 @@ def _rows(x, order):
     return rows
 
 
-def _grouped(rows, w, tile_expert, schedule, block_rows=BLOCK_ROWS):
+def _grouped(rows, w, tile_expert, schedule, block_rows=BLOCK_ROWS, tile=TILE):
     return triton_moe_grouped_gemm.grouped_gemm_triton_torch(
-        rows, w, tile_expert, block_rows=block_rows, out_dtype="f32", tile=TILE,
+        rows, w, tile_expert, block_rows=block_rows, out_dtype="f32", tile=tile,
         schedule=schedule).numpy()
 
 
@@ -81,6 +81,22 @@ def test_each_row_has_the_dense_gemms_bits(operands, schedule, routing):
     empty = np.repeat(tile_expert.numpy() < 0, BLOCK_ROWS)
     assert empty.any() == (routing == "skewed")
     assert not out[empty].any() and count_bit_differences(out[empty], 0 * out[empty]) == 0
+
+
+def test_the_flat_k_loop_keeps_the_dense_bits(operands):
+    """A tile's flat_k (the serial chunks in one K loop) in the expert launch: every routed row
+    still has the dense gemm's bits, and an empty tile still stores zeros."""
+    import dataclasses
+
+    x, w = operands
+    ids = ROUTINGS["skewed"]
+    order, tile_expert, row_of_pair = _layout(ids)
+    out = _grouped(_rows(x, order), w, tile_expert, "serial",
+                   tile=dataclasses.replace(TILE, flat_k=True))
+    dense = _dense(x, w, "split")
+    assert count_bit_differences(out[row_of_pair], dense[ids, np.arange(T)[:, None]]) == 0
+    empty = np.repeat(tile_expert.numpy() < 0, BLOCK_ROWS)
+    assert empty.any() and not out[empty].any()
 
 
 def test_negative_control_a_wrong_tile_map_changes_the_bits(operands):
