@@ -1,6 +1,6 @@
 """Shared plumbing of the Triton leaves: availability, dtype names, and the two launchers.
 
-Every Triton leaf is one `@triton.jit` source (pallas_kernels/_triton_kernels.py) with two hosts:
+Every Triton leaf is one `@triton.jit` source (pallas_kernels/_triton_*kernels.py) with two hosts:
 `jax_launch` goes through jax-triton's `triton_call` (an XLA custom call), `torch_launch` through
 Triton's own launcher on torch tensors. Both pass the same constexprs, num_warps and num_stages, so
 they compile the same program.
@@ -32,7 +32,8 @@ def triton_available() -> bool:
 
 
 def kernels():
-    """The module of @triton.jit sources, imported on first use."""
+    """The shared @triton.jit sources (norm, SiLU, block_sumexp), imported on first use; the GEMM,
+    attention and MLA leaves have their own modules (each leaf module's `kernels()`)."""
     from pallas_kernels import _triton_kernels
 
     return _triton_kernels

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._triton_launch import (INVARIANT, Counters, cdiv, contiguous, dtype_name,
-                                           jax_launch, kernels, require_cuda_tensors, torch_dtype,
+                                           jax_launch, require_cuda_tensors, torch_dtype,
                                            torch_launch, triton_available)
 from pallas_kernels.gemm import FORMATS
 from pallas_kernels.registry import Priority, register
@@ -48,6 +48,13 @@ from pallas_kernels.triton_gemm_tiles import GemmTile, tile_for
 # Below this many output tiles a step runs the split schedule (when the tile has k_split > 1).
 SPLIT_BELOW_TILES = 128
 REDUCE_BLOCK = 1024
+
+
+def kernels():
+    """The GEMM's @triton.jit sources, imported on first use (they import triton)."""
+    from pallas_kernels import _triton_gemm_kernels
+
+    return _triton_gemm_kernels
 
 
 def _check(x, w, bias, out_dtype) -> tuple[int, int, int]:

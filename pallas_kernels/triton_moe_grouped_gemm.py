@@ -25,12 +25,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._triton_launch import (INVARIANT, contiguous, dtype_name, jax_launch,
-                                           kernels, require_cuda_tensors, torch_dtype,
+                                           require_cuda_tensors, torch_dtype,
                                            torch_launch, triton_available)
 from pallas_kernels.gemm import FORMATS
 from pallas_kernels.moe_grouped_gemm import check_grouped
 from pallas_kernels.registry import Priority, register
-from pallas_kernels.triton_gemm import _check_tile, _launches, schedule_for
+from pallas_kernels.triton_gemm import _check_tile, _launches, kernels, schedule_for
 from pallas_kernels.triton_gemm_tiles import GemmTile, tile_for
 
 

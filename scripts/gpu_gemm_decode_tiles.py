@@ -3,7 +3,7 @@
     python scripts/gpu_gemm_decode_tiles.py [--out DIR] [--budget-s 420] [--smoke]
 
 A row's bits come from the K schedule: BK-deep tl.dot steps in order from a zero accumulator
-inside each of KSPLIT chunks, the chunk sums added in order (pallas_kernels/_triton_kernels.py).
+inside each of KSPLIT chunks, the chunk sums added in order (pallas_kernels/_triton_gemm_kernels.py).
 BM, BN, num_warps and num_stages only decide how many rows and columns one program holds and how
 far its loads run ahead, so a tile that keeps (BK, KSPLIT) *may* give the same bits -- unless the
 MMA instruction Triton picks (wgmma for BM >= 64 with 4k warps, mma.sync below) rounds inside its

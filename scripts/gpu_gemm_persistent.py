@@ -7,12 +7,12 @@ An experiment, wired into no leaf. rl-bitwise's 4096-token prefill spends 106 ms
 GEMM against auto's 74 in cuBLAS (docs/performance.md, sixteenth session), 8 ms of it the split
 schedule's partials going to memory and back. The kernel here keeps the contract's K schedule --
 KSPLIT chunks of K, each accumulated from zero in BK-deep tl.dot steps, the chunk sums added in
-order (pallas_kernels/_triton_kernels.py) -- but one program per SM walks output tiles in the
+order (pallas_kernels/_triton_gemm_kernels.py) -- but one program per SM walks output tiles in the
 GEMM's grouped order, and inside a tile one flat loop runs every K block, closing a chunk into the
 running total when it ends (the first chunk *is* the total, as in the serial schedule: no 0 + c0
 that would turn a -0.0 into +0.0). No partials leave the registers. So the same bits are expected;
 this measures it and the time. It also times the engine's own form of that loop, one program per
-output tile: a tile's `flat_k` (pallas_kernels/_triton_kernels._gemm_flat, the serial schedule's
+output tile: a tile's `flat_k` (pallas_kernels/_triton_gemm_kernels._gemm_flat, the serial schedule's
 chunks in one K loop), launched through gemm_triton_torch exactly as a table entry with flat_k
 would launch it -- if it is as fast, turning it on is a tile-table edit:
 
@@ -70,10 +70,10 @@ def define_kernel():
     import triton
     import triton.language as tl
 
-    from pallas_kernels import _triton_kernels
+    from pallas_kernels import _triton_gemm_kernels
 
     # A jitted function finds what it calls among its module's globals, not in a closure.
-    globals()["_tile_of"] = _triton_kernels._tile_of
+    globals()["_tile_of"] = _triton_gemm_kernels._tile_of
 
     @triton.jit(do_not_specialize=["M"])
     def persistent_chunked_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr,

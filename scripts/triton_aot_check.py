@@ -46,7 +46,7 @@ def _compile(fn, args: dict, consts: dict, num_warps: int, num_stages: int,
 
 def gemm_kernels():
     """(label, fn, args, consts, warps, stages) of every GEMM launch the tuned tiles make."""
-    from pallas_kernels import _triton_kernels as K
+    from pallas_kernels import _triton_gemm_kernels as K
     from pallas_kernels import triton_gemm as tg
     from pallas_kernels.triton_gemm_tiles import TILES
 
