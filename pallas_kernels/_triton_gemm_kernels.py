@@ -1,6 +1,7 @@
 """The @triton.jit sources of the GPU GEMM leaves (pallas_kernels/triton_gemm.py, and the routed
 experts' triton_moe_grouped_gemm.py): one tile body, its serial and split schedules, the grouped
-and expert launches, and the split schedule's reduce.
+and expert launches, the split schedule's reduce, and a GEMM with the layer boundary's add + norm
+after it (triton_gemm_add_norm.py).
 
 Arithmetic that keeps a row's bits independent of the row count: KSPLIT fixed K chunks per static
 (N, K, dtype); each accumulates in order, BK at a time (the MMA itself K 16 at a time), in a fresh
@@ -17,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pallas_kernels._triton_kernels import last_to_arrive
+from pallas_kernels._triton_kernels import add_rmsnorm_row, last_to_arrive
 
 
 @triton.jit
@@ -101,7 +102,9 @@ def _gemm_tile(x_ptr, w_ptr, bias_ptr, out_ptr, M, pid_m, pid_n, chunk,
     FUSED (split only): the reduce runs here instead of in gemm_reduce_kernel. Each program stores
     its chunk, then counts itself in sem_ptr[tile_id] (last_to_arrive); the program that
     arrives last adds the tile's KSPLIT chunks in order -- the reduce kernel's operations on the
-    same values -- and writes final_ptr. One launch instead of two."""
+    same values -- and writes final_ptr. One launch instead of two. Returns True in that program
+    (a kernel with more to do once the tile is whole: gemm_add_rmsnorm_kernel), else False."""
+    closed = False
     # 64-bit arithmetic only in the scalar tile base; in-tile offsets stay 32-bit (fewer registers).
     x_ptr += pid_m.to(tl.int64) * (BM * K)
     rows_here = M - pid_m * BM
@@ -117,7 +120,8 @@ def _gemm_tile(x_ptr, w_ptr, bias_ptr, out_ptr, M, pid_m, pid_n, chunk,
         in_tile = rm[:, None] * N + offs_n[None, :]
         tl.store(tile_base + chunk.to(tl.int64) * M * N + in_tile, acc, mask=row_ok & col_ok)
         if FUSED:
-            if last_to_arrive(sem_ptr + tile_id, KSPLIT):
+            closed = last_to_arrive(sem_ptr + tile_id, KSPLIT)
+            if closed:
                 # M * N in 64 bits (tl.cast: M may arrive as the constant 1, jax-triton
                 # specializes it, and a constant has no .to).
                 chunk_elems = tl.cast(M, tl.int64) * N
@@ -148,6 +152,7 @@ def _gemm_tile(x_ptr, w_ptr, bias_ptr, out_ptr, M, pid_m, pid_n, chunk,
         out_ptr += pid_m.to(tl.int64) * (BM * N)
         tl.store(out_ptr + rm[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=row_ok & col_ok)
+    return closed
 
 
 @triton.jit
@@ -204,6 +209,40 @@ def fixed_tile_gemm_fused_kernel(
                HAS_BIAS, IEEE_F32, BM, BN, BK, KSPLIT, True, EVEN_N,
                out_ptr, sem_ptr, pid_m * num_pid_n + pid_n, True)
 
+
+
+@triton.jit(do_not_specialize=["M"])
+def gemm_add_rmsnorm_kernel(
+    x_ptr, w_ptr, bias_ptr, res_ptr, nw_ptr, eps, M, sem_in_ptr, part_ptr, h_ptr, out_ptr,
+    new_res_ptr, sem_ptr,
+    N: tl.constexpr, K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE_F32: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    KSPLIT: tl.constexpr, BLOCK: tl.constexpr, LOG2: tl.constexpr,
+):
+    """fixed_tile_gemm_fused_kernel, then the layer boundary after it, in the same launch:
+    h = x @ w (+ bias) rounded to h's dtype, then per row norm(h + residual) with the sum rounded
+    first (add_rmsnorm_kernel's ROUND_SUM: the unfused boundary) and that rounded sum as the new
+    residual. sem_ptr: one counter per output tile, then one per row block (sem_in_ptr is the same
+    buffer). The program that closes a tile counts it in its row block's counter; the one that
+    closes the block's last tile norms the block's rows, one at a time, with add_rmsnorm_row --
+    the standalone kernel's operations on the same values, so its bits (the squares of a rounded
+    sum are exact in f32, so no mul + add contraction the compiler may choose per layout can
+    reach them). One program per row block: for decode steps of few rows (a block of BM rows is
+    normed serially), where the boundary's own launch is a share of the step."""
+    num_pid_n: tl.constexpr = (N + BN - 1) // BN
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, num_pid_n, BM, GROUP_M)
+    EVEN_N: tl.constexpr = N % BN == 0
+    closed = _gemm_tile(x_ptr, w_ptr, bias_ptr, part_ptr, M, pid_m, pid_n, tl.program_id(1), N, K,
+                        HAS_BIAS, IEEE_F32, BM, BN, BK, KSPLIT, True, EVEN_N,
+                        h_ptr, sem_ptr, pid_m * num_pid_n + pid_n, True)
+    if closed:
+        row_blocks_base = tl.cdiv(M, BM) * num_pid_n  # the tile counters come first
+        if last_to_arrive(sem_ptr + row_blocks_base + pid_m, num_pid_n):
+            for row in range(pid_m * BM, tl.minimum(pid_m * BM + BM, M)):
+                # tl.cast: under the interpreter the loop counter is a Python int (no .to)
+                add_rmsnorm_row(h_ptr, res_ptr, nw_ptr, eps, out_ptr, new_res_ptr,
+                                tl.cast(row, tl.int64), N, BLOCK, LOG2, True, ".cg")
 
 @triton.jit
 def _group_program(M, N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, BM: tl.constexpr,

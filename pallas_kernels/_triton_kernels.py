@@ -145,16 +145,16 @@ def rmsnorm_kernel(x_ptr, w_ptr, eps, out_ptr,
 
 
 @triton.jit
-def add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, eps, out_ptr, new_res_ptr,
-                       H: tl.constexpr, BLOCK: tl.constexpr, LOG2: tl.constexpr,
-                       ROUND_SUM: tl.constexpr):
-    """Fused layer boundary: total = x + residual in f32 feeds the norm (ROUND_SUM: the total
-    rounded to x's dtype does, the bits of a separate add then rmsnorm_kernel); the rounded total
-    is the new residual stream (pallas_kernels/rmsnorm.add_rmsnorm)."""
-    row = tl.program_id(0).to(tl.int64)
+def add_rmsnorm_row(x_ptr, res_ptr, w_ptr, eps, out_ptr, new_res_ptr, row,
+                    H: tl.constexpr, BLOCK: tl.constexpr, LOG2: tl.constexpr,
+                    ROUND_SUM: tl.constexpr, CACHE: tl.constexpr):
+    """One row of the fused layer boundary: total = x + residual in f32 feeds the norm
+    (ROUND_SUM: the total rounded to x's dtype does, the bits of a separate add then
+    rmsnorm_kernel); the rounded total is the new residual stream. row: int64. CACHE: x's load
+    modifier ("" in a kernel of its own; ".cg" where other programs of the launch wrote x)."""
     offs = tl.arange(0, BLOCK)
     ok = offs < H
-    x = tl.load(x_ptr + row * H + offs, mask=ok, other=0.0)
+    x = tl.load(x_ptr + row * H + offs, mask=ok, other=0.0, cache_modifier=CACHE)
     r = tl.load(res_ptr + row * H + offs, mask=ok, other=0.0)
     total = x.to(tl.float32) + r.to(tl.float32)
     out_ty: tl.constexpr = x_ptr.dtype.element_ty
@@ -163,6 +163,16 @@ def add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, eps, out_ptr, new_res_ptr,
     y = _rmsnorm_row(total, w_ptr, offs, ok, eps, H, BLOCK, LOG2, out_ty)
     tl.store(out_ptr + row * H + offs, y, mask=ok)
     tl.store(new_res_ptr + row * H + offs, total.to(out_ty), mask=ok)
+
+
+@triton.jit
+def add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, eps, out_ptr, new_res_ptr,
+                       H: tl.constexpr, BLOCK: tl.constexpr, LOG2: tl.constexpr,
+                       ROUND_SUM: tl.constexpr):
+    """Fused layer boundary, one row per program (add_rmsnorm_row; pallas_kernels/rmsnorm.
+    add_rmsnorm)."""
+    add_rmsnorm_row(x_ptr, res_ptr, w_ptr, eps, out_ptr, new_res_ptr,
+                    tl.program_id(0).to(tl.int64), H, BLOCK, LOG2, ROUND_SUM, "")
 
 
 # -- SiLU ------------------------------------------------------------------------------------------

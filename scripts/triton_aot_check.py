@@ -95,6 +95,17 @@ def gemm_kernels():
                     yield (label + " fused M=1", K.fixed_tile_gemm_fused_kernel,
                            {a: t for a, t in args.items() if a != "M"}, dict(N=n, M=1, **fused),
                            tile)
+                    # ...and with the layer boundary after it (triton_gemm_add_norm.py, an
+                    # experiment: o_proj / down_proj, whose N is the hidden size)
+                    args = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", res_ptr="*bf16",
+                                nw_ptr="*bf16", eps="fp32", M="i32", sem_in_ptr="*i32",
+                                part_ptr="*fp32", h_ptr="*bf16", out_ptr="*bf16",
+                                new_res_ptr="*bf16", sem_ptr="*i32")
+                    block = 1 << (n - 1).bit_length()
+                    norm = dict(N=n, **fused, BLOCK=block, LOG2=block.bit_length() - 1)
+                    yield label + " + add_rmsnorm", K.gemm_add_rmsnorm_kernel, args, norm, tile
+                    yield (label + " + add_rmsnorm M=1", K.gemm_add_rmsnorm_kernel,
+                           {a: t for a, t in args.items() if a != "M"}, dict(norm, M=1), tile)
                 else:
                     args = {**{p: "*bf16" for p in ("x_ptr", "w0_ptr", "w1_ptr", "w2_ptr",
                                                    "b0_ptr", "b1_ptr", "b2_ptr")}, "M": "i32",
