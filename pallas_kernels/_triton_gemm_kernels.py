@@ -1,7 +1,8 @@
 """The @triton.jit sources of the GPU GEMM leaves (pallas_kernels/triton_gemm.py, and the routed
 experts' triton_moe_grouped_gemm.py): one tile body, its serial and split schedules, the grouped
-and expert launches, the split schedule's reduce, and a GEMM with the layer boundary's add + norm
-after it (triton_gemm_add_norm.py).
+and expert launches, the split schedule's reduce, and two experiments that fuse what follows a
+projection into its launch: the layer boundary's add + norm (triton_gemm_add_norm.py) and
+SwiGLU's activation (triton_gemm_swiglu.py).
 
 Arithmetic that keeps a row's bits independent of the row count: KSPLIT fixed K chunks per static
 (N, K, dtype); each accumulates in order, BK at a time (the MMA itself K 16 at a time), in a fresh
@@ -18,7 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pallas_kernels._triton_kernels import add_rmsnorm_row, last_to_arrive
+from pallas_kernels._triton_kernels import (add_rmsnorm_row, last_to_arrive, silu_rounded,
+                                            times_rounded)
 
 
 @triton.jit
@@ -88,6 +90,29 @@ def _gemm_flat(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, N, K: tl.constexpr, KC:
 
 
 @triton.jit
+def _serial_sum(x_ptr, w_ptr, bias_ptr, rm, offs_n, row_ok, col_ok, N, K: tl.constexpr,
+                HAS_BIAS: tl.constexpr, IEEE_F32: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr, BK: tl.constexpr, KSPLIT: tl.constexpr, EVEN_N: tl.constexpr,
+                FLAT_K: tl.constexpr):
+    """The serial schedule's f32 tile: every chunk, summed in order (in one K loop with FLAT_K),
+    + bias. x_ptr is the tile's first row."""
+    KC: tl.constexpr = K // KSPLIT
+    if FLAT_K:
+        acc = _gemm_flat(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, N, K, KC, IEEE_F32,
+                         BM, BN, BK, EVEN_N)
+    else:
+        acc = _gemm_chunk(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, 0, N, K, KC, IEEE_F32,
+                          BM, BN, BK, EVEN_N)
+        for c in tl.static_range(1, KSPLIT):
+            acc = acc + _gemm_chunk(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, c * KC, N, K,
+                                    KC, IEEE_F32, BM, BN, BK, EVEN_N)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    return acc
+
+
+@triton.jit
 def _gemm_tile(x_ptr, w_ptr, bias_ptr, out_ptr, M, pid_m, pid_n, chunk,
                N, K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE_F32: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -137,18 +162,8 @@ def _gemm_tile(x_ptr, w_ptr, bias_ptr, out_ptr, M, pid_m, pid_n, chunk,
                 tl.store(final_ptr + in_tile, total.to(final_ptr.dtype.element_ty),
                          mask=row_ok & col_ok)
     else:
-        if FLAT_K:
-            acc = _gemm_flat(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, N, K, KC, IEEE_F32,
-                             BM, BN, BK, EVEN_N)
-        else:
-            acc = _gemm_chunk(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, 0, N, K, KC, IEEE_F32,
-                              BM, BN, BK, EVEN_N)
-            for c in tl.static_range(1, KSPLIT):
-                acc = acc + _gemm_chunk(x_ptr, w_ptr, rm, offs_n, row_ok, col_ok, c * KC, N, K,
-                                        KC, IEEE_F32, BM, BN, BK, EVEN_N)
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-            acc = acc + bias[None, :]
+        acc = _serial_sum(x_ptr, w_ptr, bias_ptr, rm, offs_n, row_ok, col_ok, N, K, HAS_BIAS,
+                          IEEE_F32, BM, BN, BK, KSPLIT, EVEN_N, FLAT_K)
         out_ptr += pid_m.to(tl.int64) * (BM * N)
         tl.store(out_ptr + rm[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=row_ok & col_ok)
@@ -243,6 +258,35 @@ def gemm_add_rmsnorm_kernel(
                 # tl.cast: under the interpreter the loop counter is a Python int (no .to)
                 add_rmsnorm_row(h_ptr, res_ptr, nw_ptr, eps, out_ptr, new_res_ptr,
                                 tl.cast(row, tl.int64), N, BLOCK, LOG2, True, ".cg")
+
+
+@triton.jit(do_not_specialize=["M"])
+def gemm_swiglu_kernel(
+    x_ptr, wg_ptr, wu_ptr, M, out_ptr,
+    N: tl.constexpr, K: tl.constexpr, IEEE_F32: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    KSPLIT: tl.constexpr, FLAT_K: tl.constexpr,
+):
+    """SwiGLU's act = silu(x @ wg) * (x @ wu) in one launch: a program computes the gate and the
+    up tile of the same rows and columns -- each the serial schedule's tile (`_serial_sum`: the
+    same K chunks, so each has its own launch's bits), rounded to out's dtype -- then
+    silu_rounded and times_rounded, silu_kernel's operations on those values. No gate / up
+    leaves the program: one launch and two [M, N] round trips fewer than the grouped GEMM + SiLU."""
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, (N + BN - 1) // BN, BM, GROUP_M)
+    EVEN_N: tl.constexpr = N % BN == 0
+    x_ptr += pid_m.to(tl.int64) * (BM * K)
+    rm = tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    row_ok = rm[:, None] < M - pid_m * BM
+    col_ok = offs_n[None, :] < N
+    out_ty: tl.constexpr = out_ptr.dtype.element_ty
+    gate = _serial_sum(x_ptr, wg_ptr, wg_ptr, rm, offs_n, row_ok, col_ok, N, K, False, IEEE_F32,
+                       BM, BN, BK, KSPLIT, EVEN_N, FLAT_K).to(out_ty)
+    up = _serial_sum(x_ptr, wu_ptr, wu_ptr, rm, offs_n, row_ok, col_ok, N, K, False, IEEE_F32,
+                     BM, BN, BK, KSPLIT, EVEN_N, FLAT_K).to(out_ty)
+    act = times_rounded(silu_rounded(gate, out_ty), up, out_ty)
+    out_ptr += pid_m.to(tl.int64) * (BM * N)
+    tl.store(out_ptr + rm[:, None] * N + offs_n[None, :], act, mask=row_ok & col_ok)
 
 @triton.jit
 def _group_program(M, N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, BM: tl.constexpr,

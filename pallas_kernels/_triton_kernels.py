@@ -179,17 +179,31 @@ def add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, eps, out_ptr, new_res_ptr,
 
 
 @triton.jit
+def silu_rounded(x, out_ty: tl.constexpr):
+    """x / (1 + exp(-x)) in f32 of x's values, rounded once to out_ty: torch's
+    ActivationSiluKernel form."""
+    xf = x.to(tl.float32)
+    return tl.math.div_rn(xf, 1.0 + expf(-xf)).to(out_ty)
+
+
+@triton.jit
+def times_rounded(y, up, out_ty: tl.constexpr):
+    """y * up in f32, rounded to out_ty: SwiGLU's act(gate) * up after the SiLU's own rounding
+    (two roundings, as torch's two ops)."""
+    return mul_f32(y.to(tl.float32), up.to(tl.float32)).to(out_ty)
+
+
+@triton.jit
 def silu_kernel(x_ptr, up_ptr, n, out_ptr, BLOCK: tl.constexpr, HAS_TIMES: tl.constexpr):
-    """x / (1 + exp(-x)) in f32, rounded once: torch's ActivationSiluKernel form. HAS_TIMES: that
-    rounded value times up, in f32, rounded again (SwiGLU's act(gate) * up, two roundings)."""
+    """silu_rounded over a flat array, BLOCK elements per program; HAS_TIMES: times_rounded by up
+    after it."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     x = tl.load(x_ptr + offs, mask=ok, other=0.0)
-    xf = x.to(tl.float32)
-    y = tl.math.div_rn(xf, 1.0 + expf(-xf)).to(out_ptr.dtype.element_ty)
+    y = silu_rounded(x, out_ptr.dtype.element_ty)
     if HAS_TIMES:
         up = tl.load(up_ptr + offs, mask=ok, other=0.0)
-        y = mul_f32(y.to(tl.float32), up.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        y = times_rounded(y, up, out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs, y, mask=ok)
 
 

@@ -51,6 +51,15 @@ def inputs(m, k, n, seed, copies):
     return x.to(DEV), ws, res.to(DEV), nw.to(DEV)
 
 
+def write_report(out_dir, name, result, lines) -> None:
+    """result as <name>.json, the table `lines` as <name>.md (and on stdout)."""
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def bits_differ(a, b) -> int:
     return int((a.view(torch.int16) != b.view(torch.int16)).sum())
 
@@ -179,8 +188,6 @@ def main() -> int:
             row["two_us"] = device_us_per_layer(two, copies)
             print(row, flush=True)
             result.append(row)
-    with open(os.path.join(args.out, "gemm_add_norm.json"), "w") as f:
-        json.dump(result, f, indent=1)
     lines = ["| shape | M | tile | normed / residual bits differing | control (f32 sum) differs | "
              "JAX vs torch | one launch µs/layer | two launches µs/layer |",
              "|---|---|---|---|---|---|---|---|"]
@@ -192,9 +199,7 @@ def main() -> int:
                      f"{r['residual_differ']} | {r['control_differ']} | "
                      f"{r.get('jax_vs_torch_differ', '-')} | {r['one_us']:.1f} | "
                      f"{r['two_us']:.1f} |")
-    with open(os.path.join(args.out, "gemm_add_norm.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, "gemm_add_norm", result, lines)
     checked = [r for r in result if "error" not in r]
     bad = [r for r in checked if r["normed_differ"] or r["residual_differ"]
            or r.get("jax_vs_torch_differ")]

@@ -31,6 +31,9 @@
 #                  norm in the same launch (an experiment): bits vs the two launches it replaces
 #                  and JAX vs torch, µs per layer of each at M = 1..64 (CUDA graph of 32 layers;
 #                  not run yet)
+#   gemm_swiglu    scripts/gpu_gemm_swiglu.py: gate/up with SwiGLU's activation in the same launch (an
+#                  experiment): bits vs the grouped GEMM + SiLU and JAX vs torch, µs per layer at
+#                  M = 1..4096 for three launch shapes (not run yet)
 #   triton_call_ab_rl  rl-bitwise decode rows with jax-triton's legacy custom call, then the FFI
 #                  one (JENGINE_TRITON_CALL=ffi: the step one CUDA graph)
 #   gemm_decode_tiles2  timings only, per shape, of launch shapes around the table's by_m picks
@@ -219,6 +222,8 @@ for s in "$@"; do
       step gemm_persistent 420 python3 scripts/gpu_gemm_persistent.py --budget-s 380 --out "$out/gemm_persistent" ;;
     gemm_add_norm)  # an experiment: the layer boundary inside o_proj / down_proj's launch (bits, µs per layer)
       step gemm_add_norm 240 python3 scripts/gpu_gemm_add_norm.py --out "$out/gemm_add_norm" ;;
+    gemm_swiglu)  # an experiment: SwiGLU's activation inside the gate/up launch (bits, µs per layer)
+      step gemm_swiglu 300 python3 scripts/gpu_gemm_swiglu.py --out "$out/gemm_swiglu" ;;
     gemm_decode_tiles_big_m)  # the by_m picks vs the entry's tile at M = 64 / 128 / 256 (timings)
       step gemm_decode_tiles_big_m 150 python3 scripts/gpu_gemm_decode_tiles.py --skip-bits --budget-s 130 --time-rows 64 128 256 --candidates 64,64,4,6 --out "$out/gemm_decode_tiles_big_m" ;;
     bench_model_bs256) step bench_model_bs256 240 python3 -m jengine.cli bench --parts roofline model --iters 20 --batch-sizes 256 --long-context 0 --prefill-tokens 0 --part-timeout 60 model=110 --out "$out/bench_model_bs256" ;;

@@ -124,6 +124,18 @@ def gemm_kernels():
                               BLOCK=tg.REDUCE_BLOCK)
                 yield label + " reduce", K.grouped_reduce_kernel, args, consts, None
 
+    # SwiGLU's gate and up with the activation in one launch (triton_gemm_swiglu.py, an
+    # experiment), on every tile the table gives gate/up, and in one K loop
+    swiglu = {tile for (n, k), members, tile in launches if members == [14336, 14336]}
+    for tile in sorted(swiglu, key=lambda t: t.describe()):
+        for flat in (False, True):
+            args = dict(x_ptr="*bf16", wg_ptr="*bf16", wu_ptr="*bf16", M="i32", out_ptr="*bf16")
+            consts = dict(N=14336, K=4096, IEEE_F32=False, BM=tile.block_m, BN=tile.block_n,
+                          BK=tile.block_k, GROUP_M=tile.group_m, KSPLIT=tile.k_split,
+                          FLAT_K=flat)
+            yield (f"N=14336 K=4096 {tile.describe()} swiglu" + (" flat-k" if flat else ""),
+                   K.gemm_swiglu_kernel, args, consts, tile)
+
 
 def attention_kernels():
     """(label, fn, args, consts, (warps, stages, fp_fusion)) of the attention leaf's two kernels and

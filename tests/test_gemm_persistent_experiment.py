@@ -7,27 +7,17 @@ timings are the script's to measure on the device, not this test's."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 from tests import triton_interpreter
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = pytest.mark.skipif(not triton_interpreter.AVAILABLE,
                                 reason="triton or torch is not installed")
 
 
 def test_persistent_kernel_keeps_the_engines_k_chunks(tmp_path):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_gemm_persistent.py"),
-                           "--smoke", "--out", str(tmp_path)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = json.loads((tmp_path / "gemm_persistent.json").read_text())
+    rows = triton_interpreter.run_smoke("gpu_gemm_persistent.py", tmp_path, "gemm_persistent")
     assert [r["m"] for r in rows] == [3, 40]  # 40 rows: more tiles than programs, so some loop
     for r in rows:
         assert [v["differ"] for v in r["persistent"].values()] == [0], r

@@ -114,17 +114,7 @@ def test_bad_input_names_what_is_wrong(operands):
 def test_the_h200_script_checks_what_it_says(tmp_path):
     """scripts/gpu_gemm_add_norm.py --smoke: the script's bits part under the interpreter -- 0
     bits differ from the two launches, and its control (the f32 sum) does differ."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "gpu_gemm_add_norm.py"),
-                           "--smoke", "--out", str(tmp_path)], capture_output=True, text=True,
-                          cwd=root, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = json.loads((tmp_path / "gemm_add_norm.json").read_text())
+    rows = triton_interpreter.run_smoke("gpu_gemm_add_norm.py", tmp_path, "gemm_add_norm")
     assert [r["m"] for r in rows] == [1, 20]
     for r in rows:
         assert (r["normed_differ"], r["residual_differ"]) == (0, 0), r

@@ -74,3 +74,21 @@ def registered_as_on_a_gpu(monkeypatch, module, leaves):
         REGISTRY.unregister(family, name, impl)
     monkeypatch.undo()
     importlib.reload(module)
+
+
+def run_smoke(script: str, out_dir, name: str) -> list:
+    """Run scripts/<script> --smoke (its bits part under this interpreter, in a subprocess: the
+    interpreter is chosen before any kernel source is imported) and return the rows of the
+    <name>.json it writes to out_dir; the script's own exit status must be 0."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", script), "--smoke",
+                           "--out", str(out_dir)], capture_output=True, text=True, cwd=root,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(os.path.join(str(out_dir), f"{name}.json")) as f:
+        return json.load(f)

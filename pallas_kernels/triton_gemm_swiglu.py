@@ -1,0 +1,72 @@
+"""SwiGLU's gate and up projections and its activation in one Triton launch. **An experiment, not
+a leaf yet**: no family declares it and no model calls it. scripts/gpu_gemm_swiglu.py measures
+its bits and time on the H200; if it pays, it becomes a planned leaf the SwiGLU MLP calls.
+
+Why: an rl-bitwise decode step runs the gate/up grouped GEMM and then silu(gate) * up as a launch
+of its own (32 per step of an 8B model, each with a gap before it), which reads gate and up back
+from memory. Here each program computes the gate tile and the up tile of the same rows and columns
+(pallas_kernels/_triton_gemm_kernels.gemm_swiglu_kernel) and applies the activation in registers.
+
+What it computes is, bit for bit, the two launches it replaces (the interpreter checks the logic,
+tests/test_triton_gemm_swiglu_interpreter.py; the H200 the bits):
+
+    gate, up = gemm_group_triton(x, (w_gate, w_up), out_dtype=dtype)    # serial schedule
+    act = silu_triton(gate, times=up)
+
+Each projection keeps its own launch's K chunks (the table's tile for its (N, K, dtype)); the
+launch shape may differ from the grouped launch's, which moves no bit (the H200 measured every
+launch shape on the same K chunks bit-identical: scripts/gpu_gemm_decode_tiles.py). No bias
+(SwiGLU's projections have none in every supported family).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels._triton_launch import (cdiv, contiguous, dtype_name, jax_launch,
+                                           require_cuda_tensors, torch_dtype, torch_launch)
+from pallas_kernels.triton_gemm import _check, _check_tile, _flat_k, kernels
+from pallas_kernels.triton_gemm_tiles import GemmTile, tile_for
+
+
+def _plan(x, w_gate, w_up, out_dtype, tile):
+    """(m, n, tile, grid, constexprs) of one launch; refuses what the kernel cannot compute."""
+    m, k, n = _check(x, w_gate, None, out_dtype)
+    if tuple(w_up.shape) != tuple(w_gate.shape) or w_up.dtype != w_gate.dtype:
+        raise ValueError(f"gemm_swiglu: w_up shape/dtype {tuple(w_up.shape)}/{w_up.dtype} must "
+                         f"equal w_gate's {tuple(w_gate.shape)}/{w_gate.dtype}")
+    if dtype_name(out_dtype) != dtype_name(x.dtype):
+        raise ValueError(f"gemm_swiglu: out_dtype={dtype_name(out_dtype)} must be x's dtype "
+                         f"({dtype_name(x.dtype)}): the activation reads the projections rounded "
+                         "to the model dtype")
+    tile = tile or tile_for(n, k, x.dtype, m)
+    _check_tile(k, tile)
+    consts = dict(N=n, K=k, IEEE_F32=dtype_name(x.dtype) == "f32", BM=tile.block_m,
+                  BN=tile.block_n, BK=tile.block_k, GROUP_M=tile.group_m, KSPLIT=tile.k_split,
+                  FLAT_K=_flat_k(tile, "serial"))
+    return m, n, tile, (cdiv(m, tile.block_m) * cdiv(n, tile.block_n),), consts
+
+
+def gemm_swiglu_triton(x, w_gate, w_up, *, out_dtype, tile: GemmTile | None = None):
+    """JAX: silu(x @ w_gate) * (x @ w_up) with HF's roundings, one launch."""
+    m, n, tile, grid, consts = _plan(x, w_gate, w_up, out_dtype, tile)
+    if m == 0:
+        return jnp.zeros((0, n), out_dtype)
+    return jax_launch(kernels().gemm_swiglu_kernel, (x, w_gate, w_up, m),
+                      jax.ShapeDtypeStruct((m, n), jnp.dtype(out_dtype)), grid,
+                      num_warps=tile.num_warps, num_stages=tile.num_stages, **consts)
+
+
+def gemm_swiglu_triton_torch(x, w_gate, w_up, *, out_dtype, tile: GemmTile | None = None):
+    """The same launch on torch CUDA tensors."""
+    import torch
+
+    m, n, tile, grid, consts = _plan(x, w_gate, w_up, out_dtype, tile)
+    require_cuda_tensors("gemm_swiglu_triton_torch", x, w_gate, w_up)
+    x, w_gate, w_up = contiguous(x), contiguous(w_gate), contiguous(w_up)
+    out = torch.empty((m, n), dtype=torch_dtype(out_dtype), device=x.device)
+    if m:
+        torch_launch(kernels().gemm_swiglu_kernel, (x, w_gate, w_up, m), (out,), grid,
+                     num_warps=tile.num_warps, num_stages=tile.num_stages, **consts)
+    return out
