@@ -55,9 +55,29 @@ def _row_ptrs(ptr, tok, g, h, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr
 
 
 @triton.jit
+def _row_sum(p, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ROWSUM_LEVELS: tl.constexpr):
+    """Each row's sum of p [ROWS, BLOCK_N]. ROWSUM_LEVELS 0 (every launch today): Triton's
+    reduction, whose order follows how the launch spreads a row over threads and warps -- the
+    two bit classes of (ROWS, warps) measured on the H200 (docs/performance.md, sixteenth
+    session). ROWSUM_LEVELS n (BLOCK_N = 2**n; an experiment, other bits): the halving tree,
+    v[:, :h] + v[:, h:] until one column is left -- every add is of the same two values in any
+    layout, so a launch's shape could no longer reach the sum."""
+    if ROWSUM_LEVELS == 0:
+        total = tl.sum(p, axis=1)
+    else:
+        tl.static_assert(BLOCK_N == 1 << ROWSUM_LEVELS, "ROWSUM_LEVELS must be log2(BLOCK_N)")
+        v = p
+        for level in tl.static_range(ROWSUM_LEVELS):
+            v = tl.sum(tl.reshape(v, (ROWS, 2, BLOCK_N >> (level + 1))), axis=1)
+        total = tl.sum(v, axis=1)  # one column left
+    return total
+
+
+@triton.jit
 def _split_state(q, row_pos, max_pos, req, split, bt_ptr, k_ptr, v_ptr, page_size, table_width,
                  scale, h, HKV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
+                 BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+                 ROWSUM_LEVELS: tl.constexpr):
     """Online softmax over the KV tiles of one split, for every row. Returns (m, l, acc)."""
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     l = tl.zeros((ROWS,), tl.float32)
@@ -83,7 +103,7 @@ def _split_state(q, row_pos, max_pos, req, split, bt_ptr, k_ptr, v_ptr, page_siz
         m_new = tl.where(live, tl.maximum(m, tl.max(s, axis=1)), m)
         alpha = _expf(m - m_new)
         p = tl.where(valid, _expf(s - m_new[:, None]), 0.0)
-        l_new = tl.fma(l, alpha, tl.sum(p, axis=1))
+        l_new = tl.fma(l, alpha, _row_sum(p, ROWS, BLOCK_N, ROWSUM_LEVELS))
         if IEEE:
             acc_new = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
         else:
@@ -164,6 +184,7 @@ def attention_serial_kernel(
     out_ptr,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, TPP: tl.constexpr,
     D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    ROWSUM_LEVELS: tl.constexpr,
 ):
     """Grid (tiles, HKV): every split of a tile's rows in one program, merged in order."""
     tile = tl.program_id(0)
@@ -179,7 +200,7 @@ def attention_serial_kernel(
         for split in range(0, max_pos // SPLIT + 1):
             m, l, acc = _split_state(q, row_pos, max_pos, req, split, bt_ptr, k_ptr, v_ptr,
                                      page_size, table_width, scale, h, HKV, D,
-                                     ROWS, BLOCK_N, SPLIT, IEEE)
+                                     ROWS, BLOCK_N, SPLIT, IEEE, ROWSUM_LEVELS)
             big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc,
                                            split * SPLIT <= row_pos)
         _store_out(out_ptr, big_l, big_acc, g, ok, tok, h, HQ, G, D)
@@ -191,7 +212,7 @@ def attention_split_kernel(
     sem_in_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, sem_ptr,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, TPP: tl.constexpr,
     D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-    NSPLIT: tl.constexpr,
+    ROWSUM_LEVELS: tl.constexpr, NSPLIT: tl.constexpr,
 ):
     """Grid (tiles, HKV, NSPLIT): one split of one tile per program, its state stored to the
     partials [tile, h, split, row]; sem_ptr: one int32 counter per (tile, h) (last_to_arrive;
@@ -210,7 +231,7 @@ def attention_split_kernel(
             ROWS: tl.constexpr = TPP * GP
             m, l, acc = _split_state(q, row_pos, max_pos, req, split, bt_ptr, k_ptr, v_ptr,
                                      page_size, table_width, scale, h, HKV, D,
-                                     ROWS, BLOCK_N, SPLIT, IEEE)
+                                     ROWS, BLOCK_N, SPLIT, IEEE, ROWSUM_LEVELS)
             base0 = (tile.to(tl.int64) * HKV + h) * NSPLIT * ROWS
             _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0 + split * ROWS, m, l,
                             acc, ROWS, D)

@@ -148,7 +148,8 @@ def _check(q, k_cache, v_cache):
 
 def _constexprs(q, k_cache) -> dict:
     geo = geometry(q.shape[1], k_cache.shape[2], q.shape[2])
-    return dict(geo, BLOCK_N=BLOCK_N, SPLIT=SPLIT, IEEE=dtype_name(q.dtype) == "f32")
+    return dict(geo, BLOCK_N=BLOCK_N, SPLIT=SPLIT, IEEE=dtype_name(q.dtype) == "f32",
+                ROWSUM_LEVELS=0)
 
 
 def wide_tpp(c: dict, num_tokens: int, schedule: str) -> int:

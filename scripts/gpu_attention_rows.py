@@ -14,7 +14,9 @@ context 1024. Every output's float bits are compared with the ROWS-16 launch (0 
 for a tile to be usable without a new contract); timings are medians of 20 launches after warm-up.
 Negative control: SPLIT 256 -> 128 must change bits (the comparison can fail). --ref compares
 against another launch than the engine's (e.g. 4,1,2: ROWS 16 on one warp), --configs names the
-launches to compare (TPP,WARPS,STAGES each). Writes attention_rows.json / .md to --out.
+launches to compare (TPP,WARPS,STAGES each). --rowsum-tree: every launch sums a row with the
+halving tree (ROWSUM_LEVELS, other bits than the engine's): do the two (ROWS, warps) bit classes
+become one, and what does it cost? Writes attention_rows.json / .md to --out.
 """
 
 from __future__ import annotations
@@ -34,6 +36,15 @@ from pallas_kernels._triton_launch import torch_launch  # noqa: E402
 
 PAGE, HQ, HKV, D = 16, 32, 8, 128
 DEV = "cuda"  # --smoke: "cpu" under Triton's interpreter (a logic check of this script)
+# --rowsum-tree: every launch sums a row's p with the halving tree (the kernels' ROWSUM_LEVELS;
+# other bits than the engine's, an experiment: does it put every (ROWS, warps) in one bit class,
+# and at what cost?)
+ROWSUM_LEVELS = 0
+
+
+def constexprs(q, k, **over) -> dict:
+    """The leaf's constexprs for q / the pool, with this run's row sum and `over`."""
+    return dict(ta._constexprs(q, k), ROWSUM_LEVELS=ROWSUM_LEVELS, **over)
 
 
 def make_case(gen, lengths, new_tokens):
@@ -65,7 +76,7 @@ def make_case(gen, lengths, new_tokens):
 
 def serial(case, tpp, warps, stages, split=ta.SPLIT):
     q, k, v, table, req, pos = case
-    c = dict(ta._constexprs(q, k), TPP=tpp, SPLIT=split)
+    c = constexprs(q, k, TPP=tpp, SPLIT=split)
     tiles = ta.tiles_torch(req, pos, tpp)
     out = torch.empty_like(q)
     t = q.shape[0]
@@ -111,8 +122,12 @@ def main() -> int:
     p.add_argument("--ref", default=f"4,{ta.NUM_WARPS},{ta.NUM_STAGES}",
                    help="TPP,WARPS,STAGES of the launch every other is compared with")
     p.add_argument("--configs", nargs="*", help="TPP,WARPS,STAGES launches (default: a sweep)")
+    p.add_argument("--rowsum-tree", action="store_true",
+                   help="every launch (reference and control too) with the halving-tree row sum")
     args = p.parse_args()
-    global DEV
+    global DEV, ROWSUM_LEVELS
+    if args.rowsum_tree:
+        ROWSUM_LEVELS = ta.BLOCK_N.bit_length() - 1
     if args.smoke:
         DEV = "cpu"
         from tests import triton_interpreter  # noqa: F401 -- before the kernels' module is imported

@@ -46,7 +46,7 @@ def split_launch(case, warps, stages, tpp=None, split=None):
     zeroed once: each launch leaves them zero, as in the engine's step -- so a CUDA graph of it
     times the device."""
     q, k, v, table, req, pos = case
-    c = dict(ta._constexprs(q, k), SPLIT=split or ta.SPLIT)
+    c = rows_exp.constexprs(q, k, SPLIT=split or ta.SPLIT)
     c["TPP"] = tpp or c["TPP"]
     tiles = ta.tiles_torch(req, pos, c["TPP"])
     t = q.shape[0]
@@ -88,7 +88,7 @@ def serial_launch(case, warps, stages, tpp=None):
     """The leaf's serial schedule (every step of more than SPLIT_MAX_ROWS rows) with these launch
     settings: (run, output), as split_launch."""
     q, k, v, table, req, pos = case
-    c = dict(ta._constexprs(q, k))
+    c = rows_exp.constexprs(q, k)
     c["TPP"] = tpp or c["TPP"]
     tiles = ta.tiles_torch(req, pos, c["TPP"])
     t = q.shape[0]
@@ -168,7 +168,11 @@ def main() -> int:
                    help="WARPS,STAGES[,TPP] launches to sweep (default: a fixed set around today's)")
     p.add_argument("--serial", action="store_true",
                    help="the serial schedule's launch settings instead (64 / 256 rows, prefill)")
+    p.add_argument("--rowsum-tree", action="store_true",
+                   help="every launch with the halving-tree row sum (other bits: an experiment)")
     args = p.parse_args()
+    if args.rowsum_tree:
+        rows_exp.ROWSUM_LEVELS = ta.BLOCK_N.bit_length() - 1
     if args.smoke:  # before the kernels' module is imported: the interpreter is chosen then
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                         "tests"))

@@ -46,6 +46,11 @@
 #                  today) change any bit at 32 / 64 / 128 rows, and what it buys for prefill
 #   attention_rows_warps  the same at launches (ROWS, warps) that keep ROWS / warps fixed: against
 #                  today's ROWS 16 w4 and against ROWS 16 on one warp (--ref 4,1,2)
+#   attention_rows_tree  the attention's row sum as a halving tree (ROWSUM_LEVELS; other bits, an
+#                  experiment): (ROWS, warps) from both of today's bit classes against ROWS 16 w4,
+#                  all on the tree -- 0 rows differing would make the wide tile free for
+#                  rl-bitwise -- and the same launches on today's sum for the time (not run yet)
+#   attention_split_tree  the split (decode) schedule's µs with the tree row sum, and without
 #   attention_one_warp  the split and serial schedules' decode rows at 1 warp (µs, bits vs today)
 #   attention_tpp16  the same with 16 tokens per program (ROWS 64 on 4 warps) at every step
 #   mla_digest     scripts/gpu_mla_digest.py: SHA-256 of the Triton MLA leaf's output bits on fixed
@@ -232,6 +237,12 @@ for s in "$@"; do
     attention_rows_warps)  # which (ROWS, warps) launches give today's bits / ROWS 16 on one warp's
       step attention_rows_warps 200 python3 scripts/gpu_attention_rows.py --configs 4,4,2 4,2,2 4,1,2 8,8,2 16,16,2 16,8,2 16,4,2 32,32,2 --out "$out/attention_rows_warps"
       step attention_rows_w1 200 python3 scripts/gpu_attention_rows.py --ref 4,1,2 --configs 4,1,2 8,2,2 16,4,2 32,8,2 16,4,3 --out "$out/attention_rows_w1" ;;
+    attention_rows_tree)  # the halving-tree row sum: one bit class for every (ROWS, warps)? at what cost?
+      step attention_rows_tree 200 python3 scripts/gpu_attention_rows.py --rowsum-tree --configs 4,4,2 4,1,2 8,8,2 16,4,2 32,8,2 16,8,2 --out "$out/attention_rows_tree"
+      step attention_rows_today 200 python3 scripts/gpu_attention_rows.py --configs 4,4,2 4,1,2 8,8,2 16,4,2 32,8,2 16,8,2 --out "$out/attention_rows_today" ;;
+    attention_split_tree)  # the decode split schedule with the tree row sum, and today's
+      step attention_split_tree 150 python3 scripts/gpu_attention_split.py --rowsum-tree --out "$out/attention_split_tree"
+      step attention_split_today 150 python3 scripts/gpu_attention_split.py --out "$out/attention_split_today" ;;
     attention_one_warp)  # the decode schedules on one warp (ROWS 16 / 1 warp: the bits of ROWS 64 on 4)
       step attention_split_w1 120 python3 scripts/gpu_attention_split.py --configs 4,2 1,2 1,3 1,4 --out "$out/attention_split_w1"
       step attention_serial_w1 150 python3 scripts/gpu_attention_split.py --serial --configs 4,2 1,2 1,3 1,4 --out "$out/attention_serial_w1" ;;

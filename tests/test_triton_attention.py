@@ -14,11 +14,14 @@ import numpy as np
 import pytest
 
 from tests import triton_interpreter  # noqa: F401  (must precede the kernel import)
-from tests.bits import count_bit_differences
+from tests.bits import count_bit_differences, numpy_halving_tree
 
 torch = pytest.importorskip("torch")
 if not triton_interpreter.AVAILABLE:
     pytest.skip("triton is not installed", allow_module_level=True)
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from pallas_kernels import triton_attention as ta  # noqa: E402
 
@@ -256,3 +259,54 @@ def test_auto_plans_the_wide_tile_and_rl_bitwise_never_does(registered):
     assert plan(frozenset({"batch_invariant"})) == "triton_fixed_split"  # rl-bitwise
     leaf = next(l for l in REGISTRY.leaves("attention", "paged") if l.impl == "triton_wide_prefill")
     assert leaf.traits == {"deterministic": True, "batch_invariant": False}
+
+
+# -- the halving-tree row sum (ROWSUM_LEVELS, an experiment: other bits, not planned) -------------
+
+_row_sum = ta.kernels()._row_sum
+
+
+@triton.jit
+def _row_sum_kernel(p_ptr, out_ptr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    ROWSUM_LEVELS: tl.constexpr):
+    r = tl.arange(0, ROWS)
+    c = tl.arange(0, BLOCK_N)
+    p = tl.load(p_ptr + r[:, None] * BLOCK_N + c[None, :])
+    tl.store(out_ptr + r, _row_sum(p, ROWS, BLOCK_N, ROWSUM_LEVELS))
+
+
+def test_the_tree_row_sum_is_the_halving_tree():
+    """ROWSUM_LEVELS = log2(BLOCK_N): each row's sum is v[:h] + v[h:] until one element is left,
+    bit for bit; the control (ROWSUM_LEVELS 0, Triton's reduction: numpy's sum under the
+    interpreter) is another order and differs somewhere."""
+    rows, width = 16, ta.BLOCK_N
+    rng = np.random.default_rng(3)
+    p = (rng.standard_normal((rows, width)) * np.logspace(-4, 4, width)).astype(np.float32)
+    sums = {}
+    for levels in (width.bit_length() - 1, 0):
+        out = torch.empty(rows, dtype=torch.float32)
+        _row_sum_kernel[(1,)](torch.from_numpy(p), out, ROWS=rows, BLOCK_N=width,
+                              ROWSUM_LEVELS=levels)
+        sums[levels] = out.numpy()
+    assert count_bit_differences(sums[width.bit_length() - 1], numpy_halving_tree(p)) == 0
+    assert count_bit_differences(sums[0], numpy_halving_tree(p)) > 0
+
+
+@pytest.fixture()
+def tree_rowsum(monkeypatch):
+    """The leaf's launches with the halving-tree row sum."""
+    base = ta._constexprs
+    monkeypatch.setattr(ta, "_constexprs", lambda q, k: dict(
+        base(q, k), ROWSUM_LEVELS=ta.BLOCK_N.bit_length() - 1))
+
+
+def test_with_the_tree_row_sum_it_is_still_attention_and_one_algorithm(setup, tree_rowsum):
+    """The experiment keeps the leaf's contract: float64's attention within the same 1e-5, and
+    the serial and split schedules bit-identical."""
+    k, v, tables, seqs, q, lengths = setup
+    rows = [(0, p) for p in range(45)] + [(1, p) for p in range(250, 300)] + [(2, 0), (2, 16)]
+    serial = _step(_q(q, rows), (k, v, tables), rows, schedule="serial")
+    assert count_bit_differences(serial, _step(_q(q, rows), (k, v, tables), rows,
+                                               schedule="split")) == 0
+    for i, (r, p) in enumerate(rows):
+        np.testing.assert_allclose(serial[i], _reference(q[r][p], *seqs[r], p), atol=1e-5, rtol=0)
