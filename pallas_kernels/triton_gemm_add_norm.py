@@ -8,7 +8,7 @@ boundary's add + norm -- 64 launches of ~4.8 µs per step of an 8B model, each w
 (docs/performance.md, fifteenth session). Here the GEMM's fused split-K reduce
 (fixed_tile_gemm_fused_kernel) goes on: the program that closes an output tile counts it in its
 row block's counter, and the program that closes a block's last tile norms the block's rows
-(pallas_kernels/_triton_gemm_kernels.gemm_add_rmsnorm_kernel).
+(pallas_kernels/_triton_gemm_epilogue_kernels.gemm_add_rmsnorm_kernel).
 
 What it computes is, bit for bit, the two launches it replaces (the interpreter checks the logic,
 tests/test_triton_gemm_add_norm_interpreter.py; the H200 the bits):
@@ -31,8 +31,15 @@ import numpy as np
 from pallas_kernels._triton_launch import (Counters, cdiv, contiguous, jax_launch,
                                            require_cuda_tensors, torch_dtype, torch_launch)
 from pallas_kernels.fixed_order import next_pow2
-from pallas_kernels.triton_gemm import _check, _check_tile, _launches, kernels
+from pallas_kernels.triton_gemm import _check, _check_tile, _launches
 from pallas_kernels.triton_gemm_tiles import GemmTile, tile_for
+
+
+def kernels():
+    """The experiments' @triton.jit sources, imported on first use (they import triton)."""
+    from pallas_kernels import _triton_gemm_epilogue_kernels
+
+    return _triton_gemm_epilogue_kernels
 
 
 def _plan(x, w, bias, residual, norm_weight, round_sum, tile):

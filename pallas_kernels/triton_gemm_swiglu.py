@@ -5,7 +5,8 @@ its bits and time on the H200; if it pays, it becomes a planned leaf the SwiGLU 
 Why: an rl-bitwise decode step runs the gate/up grouped GEMM and then silu(gate) * up as a launch
 of its own (32 per step of an 8B model, each with a gap before it), which reads gate and up back
 from memory. Here each program computes the gate tile and the up tile of the same rows and columns
-(pallas_kernels/_triton_gemm_kernels.gemm_swiglu_kernel) and applies the activation in registers.
+and applies the activation in registers
+(pallas_kernels/_triton_gemm_epilogue_kernels.gemm_swiglu_kernel).
 
 What it computes is, bit for bit, the two launches it replaces (the interpreter checks the logic,
 tests/test_triton_gemm_swiglu_interpreter.py; the H200 the bits):
@@ -26,8 +27,15 @@ import jax.numpy as jnp
 
 from pallas_kernels._triton_launch import (cdiv, contiguous, dtype_name, jax_launch,
                                            require_cuda_tensors, torch_dtype, torch_launch)
-from pallas_kernels.triton_gemm import _check, _check_tile, _flat_k, kernels
+from pallas_kernels.triton_gemm import _check, _check_tile, _flat_k
 from pallas_kernels.triton_gemm_tiles import GemmTile, tile_for
+
+
+def kernels():
+    """The experiments' @triton.jit sources, imported on first use (they import triton)."""
+    from pallas_kernels import _triton_gemm_epilogue_kernels
+
+    return _triton_gemm_epilogue_kernels
 
 
 def _plan(x, w_gate, w_up, out_dtype, tile):

@@ -103,7 +103,7 @@ def runners(x, ws, res, nw, tile):
     launch = dict(num_warps=tile.num_warps, num_stages=tile.num_stages)
 
     def one(i):
-        tg.torch_launch(tg.kernels().gemm_add_rmsnorm_kernel,
+        tg.torch_launch(ga.kernels().gemm_add_rmsnorm_kernel,
                         (x, ws[i], ws[i], res, nw, EPS, m, sems),
                         (parts, h, normed, new_res, sems), grid, **launch, **consts)
 

@@ -46,6 +46,7 @@ def _compile(fn, args: dict, consts: dict, num_warps: int, num_stages: int,
 
 def gemm_kernels():
     """(label, fn, args, consts, warps, stages) of every GEMM launch the tuned tiles make."""
+    from pallas_kernels import _triton_gemm_epilogue_kernels as E
     from pallas_kernels import _triton_gemm_kernels as K
     from pallas_kernels import triton_gemm as tg
     from pallas_kernels.triton_gemm_tiles import TILES
@@ -103,8 +104,8 @@ def gemm_kernels():
                                 new_res_ptr="*bf16", sem_ptr="*i32")
                     block = 1 << (n - 1).bit_length()
                     norm = dict(N=n, **fused, BLOCK=block, LOG2=block.bit_length() - 1)
-                    yield label + " + add_rmsnorm", K.gemm_add_rmsnorm_kernel, args, norm, tile
-                    yield (label + " + add_rmsnorm M=1", K.gemm_add_rmsnorm_kernel,
+                    yield label + " + add_rmsnorm", E.gemm_add_rmsnorm_kernel, args, norm, tile
+                    yield (label + " + add_rmsnorm M=1", E.gemm_add_rmsnorm_kernel,
                            {a: t for a, t in args.items() if a != "M"}, dict(norm, M=1), tile)
                 else:
                     args = {**{p: "*bf16" for p in ("x_ptr", "w0_ptr", "w1_ptr", "w2_ptr",
@@ -134,7 +135,7 @@ def gemm_kernels():
                           BK=tile.block_k, GROUP_M=tile.group_m, KSPLIT=tile.k_split,
                           FLAT_K=flat)
             yield (f"N=14336 K=4096 {tile.describe()} swiglu" + (" flat-k" if flat else ""),
-                   K.gemm_swiglu_kernel, args, consts, tile)
+                   E.gemm_swiglu_kernel, args, consts, tile)
 
 
 def attention_kernels():

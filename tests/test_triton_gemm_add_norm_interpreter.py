@@ -68,7 +68,7 @@ def _launch(x, w, residual, norm_weight, sems):
     sems = torch.full((size,), sems, dtype=torch.int32) if isinstance(sems, int) else sems
     parts = torch.zeros((tile.k_split, m, n))
     h, normed, new_res = (torch.zeros((m, n), dtype=torch.bfloat16) for _ in range(3))
-    triton_gemm.torch_launch(triton_gemm.kernels().gemm_add_rmsnorm_kernel,
+    triton_gemm.torch_launch(triton_gemm_add_norm.kernels().gemm_add_rmsnorm_kernel,
                              (x, w, w, residual, norm_weight, EPS, m, sems),
                              (parts, h, normed, new_res, sems), grid, num_warps=4, num_stages=2,
                              **consts)

@@ -1,0 +1,79 @@
+"""The @triton.jit sources of two experiments (issue #19) that run a projection and what follows
+it in one launch: o_proj / down_proj with the layer boundary's add + norm
+(pallas_kernels/triton_gemm_add_norm.py) and gate/up with SwiGLU's activation
+(pallas_kernels/triton_gemm_swiglu.py). Each is the GEMM's own tile body (_triton_gemm_kernels.py)
+followed by the standalone kernel's operations (_triton_kernels.py) on the same values, so each
+output has the bits of the launches it would replace. No model calls them yet.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from pallas_kernels._triton_gemm_kernels import _gemm_tile, _serial_sum, _tile_of
+from pallas_kernels._triton_kernels import (add_rmsnorm_row, last_to_arrive, silu_rounded,
+                                            times_rounded)
+
+
+@triton.jit(do_not_specialize=["M"])
+def gemm_add_rmsnorm_kernel(
+    x_ptr, w_ptr, bias_ptr, res_ptr, nw_ptr, eps, M, sem_in_ptr, part_ptr, h_ptr, out_ptr,
+    new_res_ptr, sem_ptr,
+    N: tl.constexpr, K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE_F32: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    KSPLIT: tl.constexpr, BLOCK: tl.constexpr, LOG2: tl.constexpr,
+):
+    """fixed_tile_gemm_fused_kernel, then the layer boundary after it, in the same launch:
+    h = x @ w (+ bias) rounded to h's dtype, then per row norm(h + residual) with the sum rounded
+    first (add_rmsnorm_kernel's ROUND_SUM: the unfused boundary) and that rounded sum as the new
+    residual. sem_ptr: one counter per output tile, then one per row block (sem_in_ptr is the same
+    buffer). The program that closes a tile counts it in its row block's counter; the one that
+    closes the block's last tile norms the block's rows, one at a time, with add_rmsnorm_row --
+    the standalone kernel's operations on the same values, so its bits (the squares of a rounded
+    sum are exact in f32, so no mul + add contraction the compiler may choose per layout can
+    reach them). One program per row block: for decode steps of few rows (a block of BM rows is
+    normed serially), where the boundary's own launch is a share of the step."""
+    num_pid_n: tl.constexpr = (N + BN - 1) // BN
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, num_pid_n, BM, GROUP_M)
+    EVEN_N: tl.constexpr = N % BN == 0
+    closed = _gemm_tile(x_ptr, w_ptr, bias_ptr, part_ptr, M, pid_m, pid_n, tl.program_id(1), N, K,
+                        HAS_BIAS, IEEE_F32, BM, BN, BK, KSPLIT, True, EVEN_N,
+                        h_ptr, sem_ptr, pid_m * num_pid_n + pid_n, True)
+    if closed:
+        row_blocks_base = tl.cdiv(M, BM) * num_pid_n  # the tile counters come first
+        if last_to_arrive(sem_ptr + row_blocks_base + pid_m, num_pid_n):
+            for row in range(pid_m * BM, tl.minimum(pid_m * BM + BM, M)):
+                # tl.cast: under the interpreter the loop counter is a Python int (no .to)
+                add_rmsnorm_row(h_ptr, res_ptr, nw_ptr, eps, out_ptr, new_res_ptr,
+                                tl.cast(row, tl.int64), N, BLOCK, LOG2, True, ".cg")
+
+
+@triton.jit(do_not_specialize=["M"])
+def gemm_swiglu_kernel(
+    x_ptr, wg_ptr, wu_ptr, M, out_ptr,
+    N: tl.constexpr, K: tl.constexpr, IEEE_F32: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    KSPLIT: tl.constexpr, FLAT_K: tl.constexpr,
+):
+    """SwiGLU's act = silu(x @ wg) * (x @ wu) in one launch: a program computes the gate and the
+    up tile of the same rows and columns -- each the serial schedule's tile (`_serial_sum`: the
+    same K chunks, so each has its own launch's bits), rounded to out's dtype -- then
+    silu_rounded and times_rounded, silu_kernel's operations on those values. No gate / up
+    leaves the program: one launch and two [M, N] round trips fewer than the grouped GEMM + SiLU."""
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, (N + BN - 1) // BN, BM, GROUP_M)
+    EVEN_N: tl.constexpr = N % BN == 0
+    x_ptr += pid_m.to(tl.int64) * (BM * K)
+    rm = tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    row_ok = rm[:, None] < M - pid_m * BM
+    col_ok = offs_n[None, :] < N
+    out_ty: tl.constexpr = out_ptr.dtype.element_ty
+    gate = _serial_sum(x_ptr, wg_ptr, wg_ptr, rm, offs_n, row_ok, col_ok, N, K, False, IEEE_F32,
+                       BM, BN, BK, KSPLIT, EVEN_N, FLAT_K).to(out_ty)
+    up = _serial_sum(x_ptr, wu_ptr, wu_ptr, rm, offs_n, row_ok, col_ok, N, K, False, IEEE_F32,
+                     BM, BN, BK, KSPLIT, EVEN_N, FLAT_K).to(out_ty)
+    act = times_rounded(silu_rounded(gate, out_ty), up, out_ty)
+    out_ptr += pid_m.to(tl.int64) * (BM * N)
+    tl.store(out_ptr + rm[:, None] * N + offs_n[None, :], act, mask=row_ok & col_ok)
