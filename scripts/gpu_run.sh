@@ -46,6 +46,10 @@
 #                  today) change any bit at 32 / 64 / 128 rows, and what it buys for prefill
 #   attention_rows_warps  the same at launches (ROWS, warps) that keep ROWS / warps fixed: against
 #                  today's ROWS 16 w4 and against ROWS 16 on one warp (--ref 4,1,2)
+#   prefill_flat_ab  rl-bitwise's 4096-token prefill and bs 256 decode (where only gate/up runs an
+#                  entry tile) today, then with the tile file's entry tiles on the flat-K serial
+#                  schedule (flat_k on, split_at_every_m off; restored after) (not run yet)
+#   goldens_check_flat  the H200 goldens with that tile file edit: every bit must be unchanged
 #   attention_rows_tree  the attention's row sum as a halving tree (ROWSUM_LEVELS; other bits, an
 #                  experiment): (ROWS, warps) from both of today's bit classes against ROWS 16 w4,
 #                  all on the tree -- 0 rows differing would make the wide tile free for
@@ -193,6 +197,10 @@ with_tiles() {  # with_tiles PY CMD...: CMD with the tile file edited by PY (a s
   "$@"
   cp /tmp/tiles.json.bak "$tiles"
 }
+# The Llama-3-8B entries' own tiles (the prefill's: M > 256) on the flat-K serial schedule: the same
+# K chunks, so the same bits (_triton_gemm_kernels._gemm_flat); split_at_every_m off so M = 4096
+# runs it.
+FLAT_K_ENTRIES="[d['tiles'][n].update(flat_k=True, split_at_every_m=False) for n in ('bf16_k4_split', 'bf16_k2')]"
 for s in "$@"; do
   case $s in
     attention) step attention 420 python3 scripts/gpu_attention.py --out "$out" ;;
@@ -313,6 +321,12 @@ for s in "$@"; do
     acceptance) step acceptance 1500 python3 scripts/gpu_acceptance.py --out "$out/acceptance" ;;
     goldens_record) step goldens_record 560 python3 scripts/goldens.py record --sections tiny families production --device cuda --out "$out/h200.json" ;;
     goldens_check_ffi) JENGINE_TRITON_CALL=ffi step goldens_check_ffi 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
+    prefill_flat_ab)  # rl-bitwise prefill today, then with the entries' tiles on the flat-K serial schedule
+      step prefill_rl_today 200 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 10 --batch-sizes 256 --long-context 0 --part-timeout 190 --out "$out/prefill_rl_today"
+      with_tiles "$FLAT_K_ENTRIES" \
+        step prefill_rl_flat 200 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 10 --batch-sizes 256 --long-context 0 --part-timeout 190 --out "$out/prefill_rl_flat" ;;
+    goldens_check_flat)  # the goldens with the entries' tiles on the flat-K serial schedule: every bit must be unchanged
+      with_tiles "$FLAT_K_ENTRIES" step goldens_check_flat 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
     goldens_check) step goldens_check 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
     rl_loop_prod|rl_loop_only)
       step rl_checkpoint 90 python3 -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; from gpu_acceptance import CASES, build_model; arch, dims = CASES['llama']; build_model(Path('/tmp/rl_llama'), arch, dims, seed=3)"
