@@ -118,4 +118,5 @@ def test_the_h200_script_checks_what_it_says(tmp_path):
     assert [r["m"] for r in rows] == [1, 20]
     for r in rows:
         assert (r["normed_differ"], r["residual_differ"]) == (0, 0), r
+        assert (r["timed_one_differ"], r["timed_two_differ"]) == (0, 0), r  # what it would time
         assert r["control_differ"] > 0, r

@@ -87,3 +87,4 @@ def test_the_h200_script_checks_what_it_says(tmp_path):
         assert sorted(r["shapes"]) == ["BN64", "flat_k", "table"], r
         assert all(e["differ"] == 0 for e in r["shapes"].values()), r
         assert r["control_differ"] > 0, r
+        assert r["timed_two_differ"] == 0, r  # the two launches it would time
