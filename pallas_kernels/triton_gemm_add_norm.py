@@ -31,7 +31,7 @@ import numpy as np
 from pallas_kernels._triton_launch import (Counters, cdiv, contiguous, jax_launch,
                                            require_cuda_tensors, torch_dtype, torch_launch)
 from pallas_kernels.fixed_order import next_pow2
-from pallas_kernels.triton_gemm import _check, _check_tile, _launches
+from pallas_kernels.triton_gemm import _check, _check_tile, _fused, _launches
 from pallas_kernels.triton_gemm_tiles import GemmTile, tile_for
 
 
@@ -61,7 +61,7 @@ def _plan(x, w, bias, residual, norm_weight, round_sum, tile):
                          "fused split-K reduce, which this launch extends: use gemm + "
                          "add_rmsnorm (a table's decode tiles have one)")
     (grid, consts), _ = _launches(m, k, n, x.dtype, bias, tile, "split")
-    consts = {key: v for key, v in consts.items() if key not in ("PARTIAL", "FLAT_K")}
+    consts = _fused(consts)  # the fused-reduce kernel's constexprs, which this kernel extends
     block = next_pow2(n)
     consts.update(BLOCK=block, LOG2=block.bit_length() - 1)
     return m, n, tile, grid, consts

@@ -25,9 +25,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._triton_launch import (cdiv, contiguous, dtype_name, jax_launch,
+from pallas_kernels._triton_launch import (contiguous, dtype_name, jax_launch,
                                            require_cuda_tensors, torch_dtype, torch_launch)
-from pallas_kernels.triton_gemm import _check, _check_tile, _flat_k
+from pallas_kernels.triton_gemm import _check, _check_tile, _launches
 from pallas_kernels.triton_gemm_tiles import GemmTile, tile_for
 
 
@@ -50,10 +50,11 @@ def _plan(x, w_gate, w_up, out_dtype, tile):
                          "to the model dtype")
     tile = tile or tile_for(n, k, x.dtype, m)
     _check_tile(k, tile)
-    consts = dict(N=n, K=k, IEEE_F32=dtype_name(x.dtype) == "f32", BM=tile.block_m,
-                  BN=tile.block_n, BK=tile.block_k, GROUP_M=tile.group_m, KSPLIT=tile.k_split,
-                  FLAT_K=_flat_k(tile, "serial"))
-    return m, n, tile, (cdiv(m, tile.block_m) * cdiv(n, tile.block_n),), consts
+    # The dense launch's serial-schedule grid and constexprs, less what this kernel fixes (no
+    # bias, never split).
+    (grid, consts), _ = _launches(m, k, n, x.dtype, None, tile, "serial")
+    consts = {key: v for key, v in consts.items() if key not in ("HAS_BIAS", "PARTIAL")}
+    return m, n, tile, grid, consts
 
 
 def gemm_swiglu_triton(x, w_gate, w_up, *, out_dtype, tile: GemmTile | None = None):

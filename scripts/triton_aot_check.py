@@ -49,6 +49,7 @@ def gemm_kernels():
     from pallas_kernels import _triton_gemm_epilogue_kernels as E
     from pallas_kernels import _triton_gemm_kernels as K
     from pallas_kernels import triton_gemm as tg
+    from pallas_kernels.fixed_order import next_pow2
     from pallas_kernels.triton_gemm_tiles import TILES
 
     shapes = {**{(n, k): [n] for n, k, dtype in TILES.tuned() if dtype == "bf16"},
@@ -102,7 +103,7 @@ def gemm_kernels():
                                 nw_ptr="*bf16", eps="fp32", M="i32", sem_in_ptr="*i32",
                                 part_ptr="*fp32", h_ptr="*bf16", out_ptr="*bf16",
                                 new_res_ptr="*bf16", sem_ptr="*i32")
-                    block = 1 << (n - 1).bit_length()
+                    block = next_pow2(n)
                     norm = dict(N=n, **fused, BLOCK=block, LOG2=block.bit_length() - 1)
                     yield label + " + add_rmsnorm", E.gemm_add_rmsnorm_kernel, args, norm, tile
                     yield (label + " + add_rmsnorm M=1", E.gemm_add_rmsnorm_kernel,
