@@ -113,9 +113,14 @@ def engine_states(runner, ids) -> tuple[dict[str, np.ndarray], bool]:
     def instrument(model):
         log: list = []
         kern = model.kernels
-        model.kernels = dataclasses.replace(kern, **{
+        # The experimental fused leaves (JENGINE_GEMM_EPILOGUES) would hide o_proj's, down_proj's
+        # and gate/up's outputs; they give the separate leaves' bits, so the record runs those.
+        unfused = {name: None for name in ("gemm_add_rmsnorm", "gemm_swiglu")
+                   if getattr(kern, name, None) is not None}
+        model.kernels = dataclasses.replace(kern, **unfused, **{
             f.name: _Recorder(getattr(kern, f.name), f.name, log)
-            for f in dataclasses.fields(kern)})
+            for f in dataclasses.fields(kern)
+            if f.name not in unfused and getattr(kern, f.name) is not None})
         return lambda: _states_from_log(log, _param_names(model), num_layers, t)
 
     hidden, states = runner.forward_sequence(ids, instrument=instrument)

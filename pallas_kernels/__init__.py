@@ -11,6 +11,8 @@ from pallas_kernels._triton_launch import counter_chain  # noqa: F401  (a model 
 from pallas_kernels import (activation, attention, gemm, logprobs, mla_attention,  # noqa: F401
                             moe_grouped_gemm, moe_router, moe_router_grouped, rmsnorm, rope_write,
                             sampling)
+from pallas_kernels import gemm_epilogues  # noqa: F401  (after gemm, rmsnorm, activation)
 from pallas_kernels import (triton_activation, triton_attention, triton_gemm,  # noqa: F401
-                            triton_mla_attention, triton_moe_grouped_gemm, triton_norm,
-                            triton_rope_write, triton_sampling)
+                            triton_gemm_add_norm, triton_gemm_swiglu, triton_mla_attention,
+                            triton_moe_grouped_gemm, triton_norm, triton_rope_write,
+                            triton_sampling)

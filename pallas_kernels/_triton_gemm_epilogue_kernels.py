@@ -3,7 +3,8 @@ it in one launch: o_proj / down_proj with the layer boundary's add + norm
 (pallas_kernels/triton_gemm_add_norm.py) and gate/up with SwiGLU's activation
 (pallas_kernels/triton_gemm_swiglu.py). Each is the GEMM's own tile body (_triton_gemm_kernels.py)
 followed by the standalone kernel's operations (_triton_kernels.py) on the same values, so each
-output has the bits of the launches it would replace. No model calls them yet.
+output has the bits of the launches it would replace. A model runs them only on request
+(JENGINE_GEMM_EPILOGUES; pallas_kernels/gemm_epilogues.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""A projection and the layer boundary after it in one Triton launch: o_proj / down_proj, then
-add + RMSNorm (the unfused boundary's bits), for decode steps of few rows. **An experiment, not a
-leaf yet**: no family declares it and no model calls it. scripts/gpu_gemm_add_norm.py measures
-its bits and time on the H200; if it pays, it becomes a planned leaf and the dense body calls it.
+"""("linear", "gemm_add_rmsnorm") on the GPU: a projection and the layer boundary after it in one
+Triton launch -- o_proj / down_proj, then add + RMSNorm (the unfused boundary's bits) -- for
+decode steps of few rows. **Experimental** (pallas_kernels/gemm_epilogues.py): a model plans the
+leaf only when JENGINE_GEMM_EPILOGUES names `add_norm`; scripts/gpu_gemm_add_norm.py measures the
+launch's bits and time on the H200, `goldens_check_epilogues` the model's bits with it.
 
 Why: an rl-bitwise decode step at one row runs 9 launches per layer, two of them the layer
 boundary's add + norm -- 64 launches of ~4.8 µs per step of an 8B model, each with a gap before it
@@ -28,11 +29,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels._triton_launch import (Counters, cdiv, contiguous, jax_launch,
-                                           require_cuda_tensors, torch_dtype, torch_launch)
+from pallas_kernels._triton_launch import (INVARIANT, Counters, cdiv, contiguous, jax_launch,
+                                           require_cuda_tensors, torch_dtype, torch_launch,
+                                           triton_available)
 from pallas_kernels.fixed_order import next_pow2
-from pallas_kernels.triton_gemm import _check, _check_tile, _fused, _launches
+from pallas_kernels.gemm import FORMATS
+from pallas_kernels.gemm_epilogues import composes
+from pallas_kernels.registry import Priority, register
+from pallas_kernels.triton_gemm import _check, _check_tile, _fused, _launches, gemm_triton
 from pallas_kernels.triton_gemm_tiles import GemmTile, tile_for
+from pallas_kernels.triton_norm import add_rmsnorm_triton
 
 
 def kernels():
@@ -65,6 +71,15 @@ def _plan(x, w, bias, residual, norm_weight, round_sum, tile):
     block = next_pow2(n)
     consts.update(BLOCK=block, LOG2=block.bit_length() - 1)
     return m, n, tile, grid, consts
+
+
+def one_launch(x, w, residual, round_sum) -> bool:
+    """Whether the fused launch computes this call: the rounded sum (see above), on a launch
+    shape with a fused split-K reduce -- the table's decode tiles, so it is a function of the
+    static M."""
+    m, k = x.shape
+    tile = tile_for(w.shape[1], k, x.dtype, m)
+    return bool(round_sum) and m > 0 and tile.fused_reduce and tile.k_split > 1
 
 
 def _counters(m: int, n: int, tile: GemmTile) -> Counters:
@@ -111,3 +126,20 @@ def gemm_add_rmsnorm_triton_torch(x, w, bias, residual, norm_weight, *, eps, rou
                   _counters(m, n, tile)), (parts, h, normed, new_residual), grid,
                  num_warps=tile.num_warps, num_stages=tile.num_stages, **consts)
     return normed, new_residual
+
+
+def gemm_add_rmsnorm_leaf(x, w, bias, residual, norm_weight, *, eps, round_sum=False):
+    """The family's GPU leaf: the one launch where `one_launch` says so, else the two launches it
+    replaces (prefill, and --layer-boundary-norm fused) -- the same bits either way."""
+    if one_launch(x, w, residual, round_sum):
+        return gemm_add_rmsnorm_triton(x, w, bias, residual, norm_weight, eps=eps)
+    h = gemm_triton(x, w, bias, out_dtype=residual.dtype)
+    return add_rmsnorm_triton(h, residual, norm_weight, eps=eps, round_sum=round_sum)
+
+
+if triton_available():
+    register("linear", "gemm_add_rmsnorm", "triton_fixed_tile", formats=FORMATS, hardware={"gpu"},
+             priority=Priority.TUNED, features=INVARIANT["features"],
+             traits={**INVARIANT["traits"],
+                     **composes(gemm="triton_fixed_tile", add_rmsnorm="triton_fixed_tree")}
+             )(gemm_add_rmsnorm_leaf)

@@ -1,6 +1,7 @@
-"""SwiGLU's gate and up projections and its activation in one Triton launch. **An experiment, not
-a leaf yet**: no family declares it and no model calls it. scripts/gpu_gemm_swiglu.py measures
-its bits and time on the H200; if it pays, it becomes a planned leaf the SwiGLU MLP calls.
+"""("linear", "gemm_swiglu") on the GPU: SwiGLU's gate and up projections and its activation in
+one Triton launch. **Experimental** (pallas_kernels/gemm_epilogues.py): a model plans the leaf
+only when JENGINE_GEMM_EPILOGUES names `swiglu`; scripts/gpu_gemm_swiglu.py measures the launch's
+bits and time on the H200, `goldens_check_epilogues` the model's bits with it.
 
 Why: an rl-bitwise decode step runs the gate/up grouped GEMM and then silu(gate) * up as a launch
 of its own (32 per step of an 8B model, each with a gap before it), which reads gate and up back
@@ -25,8 +26,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._triton_launch import (contiguous, dtype_name, jax_launch,
-                                           require_cuda_tensors, torch_dtype, torch_launch)
+from pallas_kernels._triton_launch import (INVARIANT, contiguous, dtype_name, jax_launch,
+                                           require_cuda_tensors, torch_dtype, torch_launch,
+                                           triton_available)
+from pallas_kernels.gemm import FORMATS
+from pallas_kernels.gemm_epilogues import composes
+from pallas_kernels.registry import Priority, register
 from pallas_kernels.triton_gemm import _check, _check_tile, _launches
 from pallas_kernels.triton_gemm_tiles import GemmTile, tile_for
 
@@ -79,3 +84,11 @@ def gemm_swiglu_triton_torch(x, w_gate, w_up, *, out_dtype, tile: GemmTile | Non
         torch_launch(kernels().gemm_swiglu_kernel, (x, w_gate, w_up, m), (out,), grid,
                      num_warps=tile.num_warps, num_stages=tile.num_stages, **consts)
     return out
+
+
+if triton_available():
+    register("linear", "gemm_swiglu", "triton_fixed_tile", formats=FORMATS, hardware={"gpu"},
+             priority=Priority.TUNED, features=INVARIANT["features"],
+             traits={**INVARIANT["traits"],
+                     **composes(gemm_group="triton_fixed_tile", silu="triton_elementwise")}
+             )(gemm_swiglu_triton)

@@ -1,5 +1,5 @@
 """Does o_proj / down_proj with the layer boundary in its launch keep every bit and save time at
-decode rows? (#19; pallas_kernels/triton_gemm_add_norm.py, an experiment not yet a leaf)
+decode rows? (#19; pallas_kernels/triton_gemm_add_norm.py, an experimental leaf, planned on request)
 
     python scripts/gpu_gemm_add_norm.py [--out DIR] [--rows 1 2 4 8 16 32 64] [--smoke]
 

@@ -1,5 +1,5 @@
 """Does SwiGLU's gate/up GEMM with the activation in its launch keep every bit and save time?
-(#19; pallas_kernels/triton_gemm_swiglu.py, an experiment not yet a leaf)
+(#19; pallas_kernels/triton_gemm_swiglu.py, an experimental leaf, planned on request)
 
     python scripts/gpu_gemm_swiglu.py [--out DIR] [--rows 1 16 64 256 1024 4096] [--smoke]
 

@@ -50,6 +50,12 @@
 #                  entry tile) today, then with the tile file's entry tiles on the flat-K serial
 #                  schedule (flat_k on, split_at_every_m off; restored after) (not run yet)
 #   goldens_check_flat  the H200 goldens with that tile file edit: every bit must be unchanged
+#   epilogues_ab   rl-bitwise's model rows (decode bs 1 / 64, ctx 1024, and the 4096-token prefill)
+#                  today, then with the experimental fused leaves planned
+#                  (JENGINE_GEMM_EPILOGUES=add_norm,swiglu: o_proj / down_proj with the boundary's
+#                  add + norm, gate/up with SwiGLU; bench.json's "kernels" names them) (not run yet)
+#   goldens_check_epilogues  the H200 goldens with those leaves planned: every bit must be unchanged
+#   profile_bs1_rl_epilogues  profile_bs1_rl with them (kernels per layer, device ms)
 #   attention_rows_tree  the attention's row sum as a halving tree (ROWSUM_LEVELS; other bits, an
 #                  experiment): (ROWS, warps) from both of today's bit classes against ROWS 16 w4,
 #                  all on the tree -- 0 rows differing would make the wide tile free for
@@ -327,6 +333,11 @@ for s in "$@"; do
         step prefill_rl_flat 200 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 10 --batch-sizes 256 --long-context 0 --part-timeout 190 --out "$out/prefill_rl_flat" ;;
     goldens_check_flat)  # the goldens with the entries' tiles on the flat-K serial schedule: every bit must be unchanged
       with_tiles "$FLAT_K_ENTRIES" step goldens_check_flat 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
+    epilogues_ab)  # rl-bitwise model rows today, then with the fused epilogue leaves planned
+      step model_rl_separate 220 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --part-timeout 210 --out "$out/model_rl_separate"
+      JENGINE_GEMM_EPILOGUES=add_norm,swiglu step model_rl_epilogues 220 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --part-timeout 210 --out "$out/model_rl_epilogues" ;;
+    goldens_check_epilogues) JENGINE_GEMM_EPILOGUES=add_norm,swiglu step goldens_check_epilogues 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
+    profile_bs1_rl_epilogues) JENGINE_GEMM_EPILOGUES=add_norm,swiglu step profile_bs1_rl_epilogues 100 python3 scripts/gpu_profile_step.py --numerics rl-bitwise --batch 1 --out "$out/epilogues" ;;
     goldens_check) step goldens_check 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
     rl_loop_prod|rl_loop_only)
       step rl_checkpoint 90 python3 -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; from gpu_acceptance import CASES, build_model; arch, dims = CASES['llama']; build_model(Path('/tmp/rl_llama'), arch, dims, seed=3)"

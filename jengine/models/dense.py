@@ -16,7 +16,8 @@ reader, or random values for the bench), so the model never sees a tensor name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from typing import Callable
 
 import jax.numpy as jnp
@@ -27,11 +28,15 @@ from jengine.models.kv_cache import NULL_PAGE, KVCacheSpec
 from jengine.models.layers.attention import Attention
 from jengine.models.layers.embedding import Embedding
 from jengine.models.layers.lm_head import LMHead
+from jengine.models.layers.linear import PendingProjection
 from jengine.models.layers.mlp import SwiGLU
 from jengine.models.layers.norm import RMSNorm
 from jengine.models.layers.param import ParamSpec
 from jengine.models.layers.rope import rope_tables
-from pallas_kernels.registry import KernelPlan, plan
+from pallas_kernels import gemm_epilogues
+from pallas_kernels.registry import KernelPlan, KernelPlanError, plan
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,12 @@ class ModelKernels:
     # RoPE on q and k, and the K/V page write: one Triton launch on a GPU, XLA's four kernels
     # elsewhere (pallas_kernels/rope_write.py)
     rope_write: KernelPlan
+    # Experimental, planned only when JENGINE_GEMM_EPILOGUES asks (pallas_kernels/
+    # gemm_epilogues.py): o_proj / down_proj with the layer boundary after it, and gate/up with
+    # SwiGLU, each one leaf that gives the bits of the separate leaves above. None: the body
+    # calls those.
+    gemm_add_rmsnorm: KernelPlan | None = field(default=None, kw_only=True)
+    gemm_swiglu: KernelPlan | None = field(default=None, kw_only=True)
 
     @classmethod
     def plan_for(cls, *, dtype, hardware: str, features=frozenset(),
@@ -57,7 +68,7 @@ class ModelKernels:
         fmt = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float32): "f32"}[jnp.dtype(dtype)]
         kw = dict(formats={fmt}, hardware=hardware, features=features)
         attention_geometry = {} if head_dim is None else {"head_dim": head_dim}
-        return cls(
+        plans = dict(
             gemm=plan("linear", "gemm", **kw),
             gemm_group=plan("linear", "gemm_group", **kw),
             rmsnorm=plan("norm", "rmsnorm", **kw),
@@ -66,9 +77,37 @@ class ModelKernels:
             attention=plan("attention", "paged", geometry=attention_geometry, **kw),
             rope_write=plan("attention", "rope_write", geometry=attention_geometry, **kw),
         )
+        return cls(**plans, **_epilogue_plans(plans, kw))
 
     def describe(self) -> dict[str, str]:
-        return {f: getattr(self, f).leaf.impl for f in self.__dataclass_fields__}
+        return {f: None if getattr(self, f) is None else getattr(self, f).leaf.impl
+                for f in self.__dataclass_fields__}
+
+
+def _epilogue_plans(plans: dict, kw: dict) -> dict:
+    """The fused leaves JENGINE_GEMM_EPILOGUES asks for, each planned only as the composition of
+    exactly the separate leaves in `plans` (its `composes` trait), so it cannot move a bit. A
+    request no leaf can serve under these plans (auto's XLA GEMM has no fused form) is logged and
+    left unplanned: the body then calls the separate leaves, as without the request."""
+    wanted = gemm_epilogues.requested()
+    families = {"add_norm": ("gemm_add_rmsnorm", ("gemm", "add_rmsnorm")),
+                "swiglu": ("gemm_swiglu", ("gemm_group", "silu"))}
+    out = {}
+    for kind in sorted(wanted):
+        name, parts = families[kind]
+        impls = {part: plans[part].leaf.impl for part in parts}
+        try:
+            out[name] = plan("linear", name, traits=gemm_epilogues.composes(**impls), **kw)
+        except KernelPlanError as exc:
+            logger.warning("%s=%s: %s not planned: no leaf composes %s (%s)", gemm_epilogues.ENV,
+                           kind, name, impls, exc)
+            continue
+        # A leaf silent on `composes` passes the trait filter; only a declared match is exact.
+        if out[name].leaf.traits.get("composes") != impls:
+            logger.warning("%s=%s: %s's leaf %s does not declare that it composes %s; not planned",
+                           gemm_epilogues.ENV, kind, name, out[name].leaf.impl, impls)
+            del out[name]
+    return out
 
 
 def dense_mlp(cfg, layer: int):
@@ -192,25 +231,36 @@ class DenseDecoder(nnx.Module):
         # Under the unfused boundary the norm reads the trainer's materialised residual (the sum
         # rounded to the model dtype); the fused leaf's round_sum gives those bits in one launch.
         unfused = self.unfused_norm
+        # Where the model planned gemm_add_rmsnorm (one device), o_proj and down_proj are left to
+        # the boundary after them (layers/linear.py: PendingProjection), which runs them with its
+        # add + norm as one leaf.
+        fuse = kern.gemm_add_rmsnorm is not None and self.tp is None
+
+        def boundary(norm, out, residual):
+            if isinstance(out, PendingProjection):
+                return norm.add_projection(kern, out, residual, eps=eps, round_sum=unfused)
+            return norm.add(kern, out, residual, eps=eps, round_sum=unfused)
+
         for i, layer in enumerate(self.layers):
             if residual is None:
                 residual = h
                 x = layer.input_layernorm(kern, h, eps=eps)
             else:
-                x, residual = layer.input_layernorm.add(kern, h, residual, eps=eps,
-                                                        round_sum=unfused)
+                x, residual = boundary(layer.input_layernorm, h, residual)
+            defer = {"pending": True} if fuse and layer.self_attn.defers_projection else {}
             attn, layer_kv = layer.self_attn(kern, x, kv[i], page=page, slot=slot, cos=cos, sin=sin,
                                              block_tables=block_tables, token_req=token_req,
-                                             positions=positions, dtype=self.dtype, tp=self.tp)
+                                             positions=positions, dtype=self.dtype, tp=self.tp,
+                                             **defer)
             new_kv.append(layer_kv)
-            x, residual = layer.post_attention_layernorm.add(kern, attn, residual, eps=eps,
-                                                             round_sum=unfused)
+            x, residual = boundary(layer.post_attention_layernorm, attn, residual)
             if getattr(layer.mlp, "routed", None) is not None:  # a sparse MoE block
                 h, ids = layer.mlp.routed(kern, x, dtype=self.dtype, tp=self.tp)
             else:
-                h, ids = layer.mlp(kern, x, dtype=self.dtype, tp=self.tp), None
+                defer = {"pending": True} if fuse and layer.mlp.defers_projection else {}
+                h, ids = layer.mlp(kern, x, dtype=self.dtype, tp=self.tp, **defer), None
             routed.append(ids)
-        out, _ = self.norm.add(kern, h, residual, eps=eps, round_sum=unfused)
+        out, _ = boundary(self.norm, h, residual)
         return out, tuple(new_kv), routed
 
     def compute_logits(self, hidden):

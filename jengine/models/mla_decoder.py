@@ -48,6 +48,9 @@ class ModelKernels:
     expert_backend: str | None = None
     router_gemm: KernelPlan | None = None
     router_grouped_topk: KernelPlan | None = None
+    # The dense body's experimental fused leaves (dense.ModelKernels), planned on request.
+    gemm_add_rmsnorm: KernelPlan | None = None
+    gemm_swiglu: KernelPlan | None = None
 
     @classmethod
     def plan_for(cls, *, dtype, hardware: str, features=frozenset(), head_dim: int | None = None,
@@ -62,7 +65,8 @@ class ModelKernels:
             moe_plans = {**moe_decoder.plan_experts(base.gemm, dtype=dtype, hardware=hardware,
                                                     features=features, moe=moe),
                          **plan_router(moe, hardware=hardware, features=features)}
-        dense_fields = {"gemm", "gemm_group", "rmsnorm", "add_rmsnorm", "silu"}
+        dense_fields = {"gemm", "gemm_group", "rmsnorm", "add_rmsnorm", "silu", "gemm_add_rmsnorm",
+                        "gemm_swiglu"}
         latent_geometry = {k: v for k, v in (("kv_lora_rank", kv_lora_rank),
                                              ("qk_rope_head_dim", head_dim)) if v is not None}
         return cls(**{name: getattr(base, name) for name in dense_fields},

@@ -12,11 +12,13 @@ from flax import nnx
 from jax import lax
 
 from jengine.models.kv_cache import KVPages
-from jengine.models.layers.linear import Linear, linears
+from jengine.models.layers.linear import Linear, PendingProjection, linears
 from jengine.models.layers.norm import RMSNorm
 
 
 class Attention(nnx.Module):
+    defers_projection = True  # __call__ takes pending= (see there)
+
     @staticmethod
     def specs(cfg, *, dtype) -> dict[str, dict]:
         h, d = cfg.hidden_size, cfg.head_dim
@@ -49,8 +51,10 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(specs["k_norm"], source)
 
     def __call__(self, kern, x, kv, *, page, slot, cos, sin, block_tables, token_req, positions,
-                 dtype, tp=None):
+                 dtype, tp=None, pending=False):
         """x [T, H]; kv = (k_pages, v_pages). Returns (output [T, H], the updated pages).
+        pending (one device only): the output as a PendingProjection of o_proj instead, for the
+        layer boundary to run (dense.py).
 
         Every row's K/V is written (padding rows to an out-of-bounds page, dropped) before any
         row attends: the planned rope_write leaf rotates q and k and writes the pages
@@ -77,8 +81,12 @@ class Attention(nnx.Module):
         q, (k_pages, v_pages) = kern.rope_write(q, k, v, cos, sin, kv, page, slot)
         o = kern.attention(q, (k_pages, v_pages), block_tables, token_req, positions,
                            scale=d ** -0.5)
-        return (self.o_proj(kern, o.reshape(t, hq * d), out_dtype=dtype, tp=tp, site="o"),
-                (k_pages, v_pages))
+        o = o.reshape(t, hq * d)
+        if pending:
+            if tp is not None:
+                raise ValueError("Attention: pending=True is for one device (tp=None)")
+            return PendingProjection(self.o_proj, o), (k_pages, v_pages)
+        return self.o_proj(kern, o, out_dtype=dtype, tp=tp, site="o"), (k_pages, v_pages)
 
 
 class _Columns:

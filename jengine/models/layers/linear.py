@@ -3,6 +3,9 @@ model's planned GEMM leaf."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from flax import nnx
 
 from jengine.models.layers.param import ParamSpec
@@ -45,3 +48,14 @@ def linears(kern, x, projections: tuple[Linear, ...], *, out_dtype):
         biases = tuple(p.bias[...] for p in projections)
     return kern.gemm_group(x, tuple(p.weight[...] for p in projections), biases,
                            out_dtype=out_dtype)
+
+
+@dataclass(frozen=True)
+class PendingProjection:
+    """A projection left for the layer boundary that reads it (o_proj, down_proj), which runs it
+    with its add + norm as one leaf (RMSNorm.add_projection: gemm_add_rmsnorm). A layer returns
+    one only when asked (`pending=True`), which the body does only where the model planned that
+    leaf."""
+
+    linear: Linear
+    x: Any  # the projection's input [T, K]

@@ -82,6 +82,8 @@ def scaled(x, scale: float, dtype):
 
 
 class MLAttention(nnx.Module):
+    defers_projection = False  # o_proj runs here (no pending= form; dense.py)
+
     @staticmethod
     def specs(cfg, *, dtype) -> dict[str, dict]:
         h, n, r = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank

@@ -23,3 +23,12 @@ class RMSNorm(nnx.Module):
         """(norm(x + residual), x + residual) in one fused leaf; round_sum: the norm reads the
         rounded sum (the bits of the add in x's dtype, then the norm: the `unfused` boundary)."""
         return kern.add_rmsnorm(x, residual, self.weight[...], eps=eps, round_sum=round_sum)
+
+    def add_projection(self, kern, pending, residual, *, eps, round_sum=False):
+        """`add` of a projection not yet computed (layers/linear.py: PendingProjection): the
+        projection, rounded to residual's dtype, and this boundary in one gemm_add_rmsnorm leaf,
+        with the bits of the Linear call followed by `add`."""
+        lin = pending.linear
+        bias = None if lin.bias is None else lin.bias[...]
+        return kern.gemm_add_rmsnorm(pending.x, lin.weight[...], bias, residual, self.weight[...],
+                                     eps=eps, round_sum=round_sum)
