@@ -55,6 +55,14 @@
 #                  (JENGINE_GEMM_EPILOGUES=add_norm,swiglu: o_proj / down_proj with the boundary's
 #                  add + norm, gate/up with SwiGLU; bench.json's "kernels" names them) (not run yet)
 #   goldens_check_epilogues  the H200 goldens with those leaves planned: every bit must be unchanged
+#   model_auto     auto's model rows (decode bs 1 / 64 / 256, ctx 1024, the 4096-token prefill), 20
+#                  iterations (the eighteenth session's change: auto's GEMMs without a bias write bf16
+#                  themselves; A/B: `before_model_auto model_auto` with .ab_before at 34c151a)
+#   model_auto_unmerged  the same with XLA's dot merger off (--xla_disable_hlo_passes=dot-merger): it
+#                  joins q/k/v (three dots of one x) into one dot of concatenated weights -- the
+#                  4096-token prefill profile shows the weights concatenated (32 x 27.7 us) and the
+#                  output sliced (~1.3 ms) every step, decode bs 256 a 0.81 ms concatenate
+#   profile_auto_unmerged  profile_bs1 and profile_prefill of auto with the merger off
 #   profile_bs1_rl_epilogues  profile_bs1_rl with them (kernels per layer, device ms)
 #   attention_rows_tree  the attention's row sum as a halving tree (ROWSUM_LEVELS; other bits, an
 #                  experiment): (ROWS, warps) from both of today's bit classes against ROWS 16 w4,
@@ -336,6 +344,11 @@ for s in "$@"; do
     epilogues_ab)  # rl-bitwise model rows today, then with the fused epilogue leaves planned
       step model_rl_separate 220 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --part-timeout 210 --out "$out/model_rl_separate"
       JENGINE_GEMM_EPILOGUES=add_norm,swiglu step model_rl_epilogues 220 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --part-timeout 210 --out "$out/model_rl_epilogues" ;;
+    model_auto) step model_auto 200 python3 -m jengine.cli bench --parts model --numerics auto --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_auto" ;;
+    model_auto_unmerged) XLA_FLAGS="--xla_disable_hlo_passes=dot-merger" step model_auto_unmerged 200 python3 -m jengine.cli bench --parts model --numerics auto --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_auto_unmerged" ;;
+    profile_auto_unmerged)
+      XLA_FLAGS="--xla_disable_hlo_passes=dot-merger" step profile_bs1_auto_unmerged 90 python3 scripts/gpu_profile_step.py --numerics auto --batch 1 --tag _unmerged --out "$out"
+      XLA_FLAGS="--xla_disable_hlo_passes=dot-merger" step profile_prefill_auto_unmerged 150 python3 scripts/gpu_profile_step.py --numerics auto --prefill 4096 --steps 3 --tag _unmerged --out "$out" ;;
     goldens_check_epilogues) JENGINE_GEMM_EPILOGUES=add_norm,swiglu step goldens_check_epilogues 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
     profile_bs1_rl_epilogues) JENGINE_GEMM_EPILOGUES=add_norm,swiglu step profile_bs1_rl_epilogues 100 python3 scripts/gpu_profile_step.py --numerics rl-bitwise --batch 1 --out "$out/epilogues" ;;
     goldens_check) step goldens_check 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
