@@ -39,12 +39,15 @@ DEV = "cuda"  # --smoke: "cpu" under Triton's interpreter (a logic check of this
 # --rowsum-tree: every launch sums a row's p with the halving tree (the kernels' ROWSUM_LEVELS;
 # other bits than the engine's, an experiment: does it put every (ROWS, warps) in one bit class,
 # and at what cost?)
-ROWSUM_LEVELS = 0
+ROWSUM_TREE = False
 
 
 def constexprs(q, k, **over) -> dict:
-    """The leaf's constexprs for q / the pool, with this run's row sum and `over`."""
-    return dict(ta._constexprs(q, k), ROWSUM_LEVELS=ROWSUM_LEVELS, **over)
+    """The leaf's constexprs for q / the pool, with `over` and this run's row sum (the tree's
+    levels follow the launch's BLOCK_N)."""
+    c = dict(ta._constexprs(q, k), **over)
+    c["ROWSUM_LEVELS"] = c["BLOCK_N"].bit_length() - 1 if ROWSUM_TREE else 0
+    return c
 
 
 def make_case(gen, lengths, new_tokens):
@@ -74,9 +77,9 @@ def make_case(gen, lengths, new_tokens):
     return q, k, v, table.to(DEV), req.to(DEV), pos.to(DEV)
 
 
-def serial(case, tpp, warps, stages, split=ta.SPLIT):
+def serial(case, tpp, warps, stages, block_n=ta.BLOCK_N, split=ta.SPLIT):
     q, k, v, table, req, pos = case
-    c = constexprs(q, k, TPP=tpp, SPLIT=split)
+    c = constexprs(q, k, TPP=tpp, SPLIT=split, BLOCK_N=block_n)
     tiles = ta.tiles_torch(req, pos, tpp)
     out = torch.empty_like(q)
     t = q.shape[0]
@@ -109,6 +112,34 @@ def median_ms(fn, iters=20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def reference(case) -> torch.Tensor:
+    """Every row's attention in f32 (torch, no TF32: a dense causal softmax per request and head),
+    to measure a launch's error when its tiles change the bits (--numerics auto has no bit
+    contract, only accuracy)."""
+    q, k, v, table, req, pos = case
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    g = HQ // HKV
+    for r in torch.unique(req).tolist():
+        idx = (req == r).nonzero().flatten()
+        n = int(pos[idx].max()) + 1
+        pages = table[r, :-(-n // PAGE)].long()
+        kk = k[pages].reshape(-1, HKV, D)[:n].float().repeat_interleave(g, dim=1)
+        vv = v[pages].reshape(-1, HKV, D)[:n].float().repeat_interleave(g, dim=1)
+        s = torch.einsum("thd,nhd->htn", q[idx].float(), kk) * D ** -0.5
+        future = torch.arange(n, device=q.device)[None, :] > pos[idx].long()[:, None]
+        p = torch.softmax(s.masked_fill(future[None], float("-inf")), dim=-1)
+        out[idx] = torch.einsum("htn,nhd->thd", p, vv)
+    return out
+
+
+def max_error(out, ref) -> float:
+    return float((out.float() - ref).abs().max())
+
+
+def mean_error(out, ref) -> float:
+    return float((out.float() - ref).abs().mean())
+
+
 def causal_flops(case) -> float:
     """q.k and p.v over the positions each row reads (2 flops per multiply-add)."""
     pos = case[5].double()
@@ -121,13 +152,15 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny cases")
     p.add_argument("--ref", default=f"4,{ta.NUM_WARPS},{ta.NUM_STAGES}",
                    help="TPP,WARPS,STAGES of the launch every other is compared with")
-    p.add_argument("--configs", nargs="*", help="TPP,WARPS,STAGES launches (default: a sweep)")
+    p.add_argument("--configs", nargs="*",
+                   help="TPP,WARPS,STAGES[,BLOCK_N[,SPLIT]] launches (default: a sweep); another "
+                        "BLOCK_N or SPLIT is another algorithm (other bits): for --numerics auto's "
+                        "tile, judged by its error against f32 (the table's last column)")
     p.add_argument("--rowsum-tree", action="store_true",
                    help="every launch (reference and control too) with the halving-tree row sum")
     args = p.parse_args()
-    global DEV, ROWSUM_LEVELS
-    if args.rowsum_tree:
-        ROWSUM_LEVELS = ta.BLOCK_N.bit_length() - 1
+    global DEV, ROWSUM_TREE
+    ROWSUM_TREE = args.rowsum_tree
     if args.smoke:
         DEV = "cpu"
         from tests import triton_interpreter  # noqa: F401 -- before the kernels' module is imported
@@ -140,43 +173,59 @@ def main() -> int:
         "chunk 2 x 2048 (second half)": make_case(gen, [2048] * 2, [1024] * 2),
         "decode 64 x ctx 1024": make_case(gen, [1025] * 64, [1] * 64),
     }
-    configs = [(4, 4, 2), (16, 4, 2)] if args.smoke else [(4, 4, 2), (4, 4, 3), (8, 4, 2), (8, 4, 3), (16, 4, 2), (16, 4, 3), (16, 8, 2),
+    configs = [(4, 4, 2), (16, 4, 2), (16, 4, 2, 16, 64)] if args.smoke else [(4, 4, 2), (4, 4, 3), (8, 4, 2), (8, 4, 3), (16, 4, 2), (16, 4, 3), (16, 8, 2),
                (32, 4, 2), (32, 8, 2), (32, 8, 3)]
     if args.configs:
         configs = [tuple(int(v) for v in c.split(",")) for c in args.configs]
     rows = []
     for name, case in cases.items():
         ref = serial(case, *ref_cfg)
-        control = rows_differ(ref, serial(case, *ref_cfg, split=128))
+        control = rows_differ(ref, serial(case, *ref_cfg, split=ta.SPLIT // 2))
         flops = causal_flops(case)
-        print(f"== {name}: {case[0].shape[0]} rows; control (SPLIT 128) differs in {control} rows",
-              flush=True)
-        for tpp, warps, stages in configs:
+        exact = reference(case)
+        print(f"== {name}: {case[0].shape[0]} rows; control (SPLIT {ta.SPLIT // 2}) differs in "
+              f"{control} rows; the reference launch's |error| vs f32: max "
+              f"{max_error(ref, exact):.3g}, mean {mean_error(ref, exact):.3g}", flush=True)
+        for cfg in configs:
+            tpp, warps, stages = cfg[:3]
+            block_n = cfg[3] if len(cfg) > 3 else ta.BLOCK_N
+            split = cfg[4] if len(cfg) > 4 else ta.SPLIT
+            launch = dict(block_n=block_n, split=split)
             try:
-                out = serial(case, tpp, warps, stages)
-                n = rows_differ(ref, out)
-                ms = median_ms(lambda: serial(case, tpp, warps, stages))
+                out = serial(case, tpp, warps, stages, **launch)
+                n, error, mean = rows_differ(ref, out), max_error(out, exact), mean_error(out, exact)
+                ms = median_ms(lambda: serial(case, tpp, warps, stages, **launch))
                 err = None
             except Exception as exc:  # noqa: BLE001 -- a config that does not compile is a result
-                n, ms, err = None, None, f"{type(exc).__name__}: {str(exc)[:200]}"
+                n, error, mean, ms = None, None, None, None
+                err = f"{type(exc).__name__}: {str(exc)[:200]}"
             row = dict(case=name, tpp=tpp, rows=tpp * 4, warps=warps, stages=stages,
-                       rows_differ=n, ms=ms, tflops=None if ms is None else flops / ms / 1e9,
+                       block_n=block_n, split=split, rows_differ=n, max_error_vs_f32=error,
+                       mean_error_vs_f32=mean,
+                       ms=ms, tflops=None if ms is None else flops / ms / 1e9,
                        control_rows_differ=control, error=err)
             rows.append(row)
-            print(f"   ROWS {tpp * 4:>3} w{warps} s{stages}: differ {n} rows, "
+            print(f"   ROWS {tpp * 4:>3} w{warps} s{stages} BLOCK_N {block_n} SPLIT {split}: "
+                  f"differ {n} rows, |error| max / mean "
+                  f"{'-' if error is None else f'{error:.3g} / {mean:.3g}'}, "
                   f"{'-' if ms is None else f'{ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s'}"
                   f"{'' if err is None else ' ' + err}", flush=True)
     with open(os.path.join(args.out, "attention_rows.json"), "w") as f:
         json.dump(rows, f, indent=1)
     with open(os.path.join(args.out, "attention_rows.md"), "w") as f:
-        f.write(f"| case | ROWS | warps | stages | rows differing from ROWS {ref_cfg[0] * 4} w{ref_cfg[1]} "
-                f"s{ref_cfg[2]} | ms per layer | TFLOP/s |\n")
-        f.write("|---|---|---|---|---|---|---|\n")
+        f.write(f"| case | ROWS | warps | stages | BLOCK_N | SPLIT | rows differing from ROWS "
+                f"{ref_cfg[0] * 4} w{ref_cfg[1]} s{ref_cfg[2]} | ms per layer | TFLOP/s | "
+                f"abs error vs f32, max / mean |\n")
+        f.write("|---|---|---|---|---|---|---|---|---|---|\n")
         for r in rows:
             ms = "-" if r["ms"] is None else f"{r['ms']:.3f}"
             tf = "-" if r["tflops"] is None else f"{r['tflops']:.0f}"
+            e = "-" if r["max_error_vs_f32"] is None else \
+                f"{r['max_error_vs_f32']:.3g} / {r['mean_error_vs_f32']:.3g}"
             f.write(f"| {r['case']} | {r['rows']} | {r['warps']} | {r['stages']} | "
-                    f"{r['rows_differ'] if r['error'] is None else r['error']} | {ms} | {tf} |\n")
+                    f"{r['block_n']} | {r['split']} | "
+                    f"{r['rows_differ'] if r['error'] is None else r['error']} | {ms} | {tf} | "
+                    f"{e} |\n")
     return 0
 
 

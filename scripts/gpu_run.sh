@@ -64,6 +64,11 @@
 #                  output sliced (~1.3 ms) every step, decode bs 256 a 0.81 ms concatenate
 #   profile_auto_unmerged  profile_bs1 and profile_prefill of auto with the merger off
 #   profile_bs1_rl_epilogues  profile_bs1_rl with them (kernels per layer, device ms)
+#   attention_auto_tiles  --numerics auto's prefill attention (triton_wide_prefill: ROWS 64 w4 s2,
+#                  BLOCK_N 32, SPLIT 256 today, ~29-68 TFLOP/s) on wider KV tiles / fewer splits /
+#                  8 warps (auto has no bit contract: each launch's error vs f32 is the check; the
+#                  sm_90 compile: ROWS 64 on 8 warps at BLOCK_N 64 / 128 spills nothing, today's
+#                  launch 12 bytes) (not run yet)
 #   attention_rows_tree  the attention's row sum as a halving tree (ROWSUM_LEVELS; other bits, an
 #                  experiment): (ROWS, warps) from both of today's bit classes against ROWS 16 w4,
 #                  all on the tree -- 0 rows differing would make the wide tile free for
@@ -259,6 +264,8 @@ for s in "$@"; do
     attention_rows_warps)  # which (ROWS, warps) launches give today's bits / ROWS 16 on one warp's
       step attention_rows_warps 200 python3 scripts/gpu_attention_rows.py --configs 4,4,2 4,2,2 4,1,2 8,8,2 16,16,2 16,8,2 16,4,2 32,32,2 --out "$out/attention_rows_warps"
       step attention_rows_w1 200 python3 scripts/gpu_attention_rows.py --ref 4,1,2 --configs 4,1,2 8,2,2 16,4,2 32,8,2 16,4,3 --out "$out/attention_rows_w1" ;;
+    attention_auto_tiles)  # auto's prefill attention on wider KV tiles: ms, error vs f32
+      step attention_auto_tiles 300 python3 scripts/gpu_attention_rows.py --ref 16,4,2 --configs 16,4,2 16,8,2 16,4,2,64 16,8,2,64 16,8,3,64 16,8,2,128 16,8,2,64,1024 16,8,2,128,1024 32,8,2,64 32,8,2,128 --out "$out/attention_auto_tiles" ;;
     attention_rows_tree)  # the halving-tree row sum: one bit class for every (ROWS, warps)? at what cost?
       step attention_rows_tree 200 python3 scripts/gpu_attention_rows.py --rowsum-tree --configs 4,4,2 4,1,2 8,8,2 16,4,2 32,8,2 16,8,2 --out "$out/attention_rows_tree"
       step attention_rows_today 200 python3 scripts/gpu_attention_rows.py --configs 4,4,2 4,1,2 8,8,2 16,4,2 32,8,2 16,8,2 --out "$out/attention_rows_today" ;;
