@@ -30,6 +30,8 @@ bit, as do ROWS 16 on 4 and 32 on 8 -- consistent with a row's sum over a KV til
 across the warps that share the row (4 today, 1 in the wide launch). So rl-bitwise could have the
 wide tile too by running every step on one warp per 16 rows, but that decode schedule measured
 1.3-1.8x slower (split kernel at bs 1: 28.5 vs 16.0 us per layer; serial at bs 64: 108 vs 81).
+Or by a row sum whose order no layout can change: `JENGINE_ATTENTION_ROWSUM=tree` (below), an
+experiment not yet measured.
 
 These bits are *not* the portable `fixed_order` leaf's (pallas_kernels/attention.py, f32 p . v, one
 max over the whole context): on a GPU the rl-bitwise plan and trainer mode's twin table both pick
@@ -39,6 +41,8 @@ context twice, and is the faster of the two there.
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +61,14 @@ MIN_ROWS = 16  # tl.dot needs >= 16 rows: GQA groups smaller than 16 are packed 
 SPLIT_MAX_ROWS = 32  # steps of at most this many token rows use the split schedule (H200: split
 # wins at 1 and 16 decode rows, serial at 64 and 256; docs/performance.md)
 NUM_WARPS, NUM_STAGES = 4, 2
+# JENGINE_ATTENTION_ROWSUM=tree -- an experiment, off by default, another numerics definition
+# (docs/performance.md, eighteenth session): every launch, the engine's and the trainer twin's
+# alike, sums a row's p over a KV tile with the halving tree (the kernels' ROWSUM_LEVELS) instead
+# of Triton's reduction, whose order follows the (ROWS, warps) layout. If that makes a row's bits
+# independent of the layout, as the H200's two bit classes suggest, rl-bitwise's prefill steps can
+# take the wide tile too; so under the switch they do, and the H200's invariance harness, trainer
+# alignment and goldens say whether the bits still hold (gpu_run.sh tree_ab, harness_tree ...).
+ROWSUM_ENV = "JENGINE_ATTENTION_ROWSUM"
 # triton_wide_prefill (auto only): query rows per program on steps of >= WIDE_MIN_TOKENS rows. At
 # 256 decode rows the wide tile measured 2x slower (630 vs 306 us per layer: one token per tile).
 WIDE_ROWS, WIDE_MIN_TOKENS = 64, 512
@@ -146,10 +158,20 @@ def _check(q, k_cache, v_cache):
                          f"{q.dtype}")
 
 
+def rowsum_tree() -> bool:
+    """Whether JENGINE_ATTENTION_ROWSUM asks for the halving-tree row sum ("tree"; unset, "" or
+    "triton": today's). Another value is an error naming the variable and the value."""
+    value = os.environ.get(ROWSUM_ENV, "")
+    if value not in ("", "triton", "tree"):
+        raise ValueError(f"{ROWSUM_ENV}={value!r}: expected 'tree' or 'triton' (the default)")
+    return value == "tree"
+
+
 def _constexprs(q, k_cache) -> dict:
     geo = geometry(q.shape[1], k_cache.shape[2], q.shape[2])
+    levels = BLOCK_N.bit_length() - 1 if rowsum_tree() else 0
     return dict(geo, BLOCK_N=BLOCK_N, SPLIT=SPLIT, IEEE=dtype_name(q.dtype) == "f32",
-                ROWSUM_LEVELS=0)
+                ROWSUM_LEVELS=levels)
 
 
 def wide_tpp(c: dict, num_tokens: int, schedule: str) -> int:
@@ -164,7 +186,7 @@ def _plan(q, k_cache, schedule: str | None, wide: bool) -> tuple[str, dict]:
     t = q.shape[0]
     c = _constexprs(q, k_cache)
     schedule = schedule or schedule_for(t)
-    if wide:
+    if wide or c["ROWSUM_LEVELS"]:  # under the tree row sum, every leaf's prefill is wide
         c["TPP"] = wide_tpp(c, t, schedule)
     return schedule, c
 

@@ -69,6 +69,13 @@
 #                  8 warps (auto has no bit contract: each launch's error vs f32 is the check; the
 #                  sm_90 compile: ROWS 64 on 8 warps at BLOCK_N 64 / 128 spills nothing, today's
 #                  launch 12 bytes) (not run yet)
+#   tree_ab        rl-bitwise's model rows (decode bs 1 / 64, ctx 1024, the 4096-token prefill) today,
+#                  then with JENGINE_ATTENTION_ROWSUM=tree (the halving-tree row sum in every launch
+#                  and the wide tile for rl-bitwise's prefill steps too: another numerics definition)
+#   accept_llama_tree  accept_llama under that switch: trainer alignment at production widths --
+#                  the trainer's twin runs whole sequences on the wide tile, the engine decodes on
+#                  the narrow one, so MATCH means the tree made the layout irrelevant to the bits
+#   harness_prod_llama_tree  harness_prod_llama under the switch (after accept_llama_tree)
 #   attention_rows_tree  the attention's row sum as a halving tree (ROWSUM_LEVELS; other bits, an
 #                  experiment): (ROWS, warps) from both of today's bit classes against ROWS 16 w4,
 #                  all on the tree -- 0 rows differing would make the wide tile free for
@@ -338,6 +345,11 @@ for s in "$@"; do
     router_grouped) step router_grouped 300 env JAX_PLATFORMS=cpu python3 scripts/gpu_router_grouped.py --out "$out/router_grouped" ;;
     align_*) step "$s" 150 bash scripts/gpu_align.sh "$out/$s" "${s#align_}" ;;
     accept_qwen3moe|accept_deepseek_v3|accept_longcat) step "$s" 300 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases "${s#accept_}" ;;
+    tree_ab)  # rl-bitwise model rows today, then on the tree row sum with the wide prefill tile
+      step model_rl_rowsum_today 220 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --part-timeout 210 --out "$out/model_rl_rowsum_today"
+      JENGINE_ATTENTION_ROWSUM=tree step model_rl_rowsum_tree 220 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --part-timeout 210 --out "$out/model_rl_rowsum_tree" ;;
+    accept_llama_tree) JENGINE_ATTENTION_ROWSUM=tree step accept_llama_tree 420 python3 scripts/gpu_acceptance.py --out "$out/accept_llama_tree" --cases llama ;;
+    harness_prod_llama_tree) JENGINE_ATTENTION_ROWSUM=tree step harness_prod_llama_tree 300 python3 -m jengine.cli invariance --model /tmp/acceptance/llama --numerics rl-bitwise --max-new-tokens 8 ;;
     accept_*) step "$s" 420 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases "${s#accept_}" ;;
     acceptance) step acceptance 1500 python3 scripts/gpu_acceptance.py --out "$out/acceptance" ;;
     goldens_record) step goldens_record 560 python3 scripts/goldens.py record --sections tiny families production --device cuda --out "$out/h200.json" ;;

@@ -261,7 +261,7 @@ def test_auto_plans_the_wide_tile_and_rl_bitwise_never_does(registered):
     assert leaf.traits == {"deterministic": True, "batch_invariant": False}
 
 
-# -- the halving-tree row sum (ROWSUM_LEVELS, an experiment: other bits, not planned) -------------
+# -- the halving-tree row sum (ROWSUM_LEVELS, an experiment: other bits, planned only on request) ---
 
 _row_sum = ta.kernels()._row_sum
 
@@ -294,10 +294,31 @@ def test_the_tree_row_sum_is_the_halving_tree():
 
 @pytest.fixture()
 def tree_rowsum(monkeypatch):
-    """The leaf's launches with the halving-tree row sum."""
-    base = ta._constexprs
-    monkeypatch.setattr(ta, "_constexprs", lambda q, k: dict(
-        base(q, k), ROWSUM_LEVELS=ta.BLOCK_N.bit_length() - 1))
+    """The leaf's launches with the halving-tree row sum (JENGINE_ATTENTION_ROWSUM=tree)."""
+    monkeypatch.setenv(ta.ROWSUM_ENV, "tree")
+
+
+def test_the_tree_switch_plans_the_tree_and_the_wide_prefill_tile(monkeypatch):
+    """JENGINE_ATTENTION_ROWSUM: unset, every launch sums Triton's way and only auto's leaf widens
+    a prefill; "tree", every launch (engine and twin: one _plan) takes the tree and the
+    batch-invariant leaf's prefill steps the wide tile too, while decode steps keep theirs. Another
+    value is refused, naming the variable and the value."""
+    q = torch.zeros((512, 32, 128), dtype=torch.bfloat16)
+    pool = torch.zeros((8, 16, 8, 128), dtype=torch.bfloat16)
+    monkeypatch.delenv(ta.ROWSUM_ENV, raising=False)
+    schedule, c = ta._plan(q, pool, None, False)
+    assert (schedule, c["ROWSUM_LEVELS"], c["TPP"] * c["GP"]) == ("serial", 0, ta.MIN_ROWS)
+    assert ta._plan(q, pool, None, True)[1]["TPP"] * c["GP"] == ta.WIDE_ROWS
+    monkeypatch.setenv(ta.ROWSUM_ENV, "tree")
+    schedule, c = ta._plan(q, pool, None, False)
+    assert (schedule, c["ROWSUM_LEVELS"], c["TPP"] * c["GP"]) == \
+        ("serial", ta.BLOCK_N.bit_length() - 1, ta.WIDE_ROWS)
+    schedule, c = ta._plan(q[:1], pool, None, False)
+    assert (schedule, c["ROWSUM_LEVELS"], c["TPP"] * c["GP"]) == \
+        ("split", ta.BLOCK_N.bit_length() - 1, ta.MIN_ROWS)
+    monkeypatch.setenv(ta.ROWSUM_ENV, "halving")
+    with pytest.raises(ValueError, match="JENGINE_ATTENTION_ROWSUM='halving'"):
+        ta._plan(q, pool, None, False)
 
 
 def test_with_the_tree_row_sum_it_is_still_attention_and_one_algorithm(setup, tree_rowsum):
