@@ -73,13 +73,21 @@ def _plan(x, w, bias, residual, norm_weight, round_sum, tile):
     return m, n, tile, grid, consts
 
 
+# The one launch's last program norms its row block's rows one after another, where the separate
+# launch norms every row in a program of its own; so the one launch pays only for the fewest rows.
+# An estimate until the H200 measures the crossover (scripts/gpu_gemm_add_norm.py times M = 1..64):
+# a row's norm ~2 us inside the program against ~6 us for the separate launch and its gap.
+ONE_LAUNCH_MAX_M = 2
+
+
 def one_launch(x, w, residual, round_sum) -> bool:
     """Whether the fused launch computes this call: the rounded sum (see above), on a launch
-    shape with a fused split-K reduce -- the table's decode tiles, so it is a function of the
-    static M."""
+    shape with a fused split-K reduce (the table's decode tiles), at no more than
+    ONE_LAUNCH_MAX_M rows -- a function of the static M."""
     m, k = x.shape
     tile = tile_for(w.shape[1], k, x.dtype, m)
-    return bool(round_sum) and m > 0 and tile.fused_reduce and tile.k_split > 1
+    return (bool(round_sum) and 0 < m <= ONE_LAUNCH_MAX_M and tile.fused_reduce
+            and tile.k_split > 1)
 
 
 def _counters(m: int, n: int, tile: GemmTile) -> Counters:

@@ -102,19 +102,20 @@ def test_on_a_gpu_each_fused_leaf_needs_exactly_the_leaves_it_composes(
     assert kern.gemm_add_rmsnorm is None
 
 
-def test_the_triton_leaf_takes_one_launch_at_decode_rows_only():
+def test_the_triton_leaf_takes_one_launch_at_the_fewest_decode_rows_only():
     """gemm_add_rmsnorm's GPU leaf makes its one launch on the table's fused-reduce decode tiles
-    (M <= 64 for the 8B o_proj / down_proj) under the rounded sum; elsewhere the two launches."""
-    from pallas_kernels.triton_gemm_add_norm import one_launch
+    (the 8B o_proj / down_proj) under the rounded sum, up to ONE_LAUNCH_MAX_M rows (its last
+    program norms them one by one); elsewhere the two launches."""
+    from pallas_kernels.triton_gemm_add_norm import ONE_LAUNCH_MAX_M, one_launch
 
     def case(m, k, round_sum=True):
         x = jnp.zeros((m, k), jnp.bfloat16)
         return one_launch(x, jnp.zeros((k, 4096), jnp.bfloat16), None, round_sum)
 
-    assert [case(m, 4096) for m in (1, 16, 64)] == [True] * 3
-    assert [case(m, 14336) for m in (1, 64)] == [True] * 2
-    assert [case(65, 4096), case(4096, 4096), case(1, 4096, round_sum=False), case(0, 4096)] == \
-        [False] * 4
+    few = range(1, ONE_LAUNCH_MAX_M + 1)
+    assert [case(m, 4096) for m in few] == [case(m, 14336) for m in few] == [True] * len(few)
+    assert [case(ONE_LAUNCH_MAX_M + 1, 4096), case(64, 14336), case(65, 4096), case(4096, 4096),
+            case(1, 4096, round_sum=False), case(0, 4096)] == [False] * 6
 
 
 def test_the_fused_path_keeps_every_golden_bit(monkeypatch):
