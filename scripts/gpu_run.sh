@@ -51,8 +51,8 @@
 #                  schedule (flat_k on, split_at_every_m off; restored after) (not run yet)
 #   goldens_check_flat  the H200 goldens with that tile file edit: every bit must be unchanged
 #   epilogues_ab   rl-bitwise's model rows (decode bs 1 / 16 / 64, ctx 1024, the 4096-token prefill)
-#                  today, then with the experimental fused leaves planned
-#                  (JENGINE_GEMM_EPILOGUES=add_norm,swiglu: o_proj / down_proj with the boundary's
+#                  today, then with the experimental fused leaves planned: add_norm alone, then
+#                  add_norm,swiglu (JENGINE_GEMM_EPILOGUES: o_proj / down_proj with the boundary's
 #                  add + norm, gate/up with SwiGLU; bench.json's "kernels" names them) (not run yet)
 #   goldens_check_epilogues  the H200 goldens with those leaves planned: every bit must be unchanged
 #   model_auto     auto's model rows (decode bs 1 / 64 / 256, ctx 1024, the 4096-token prefill), 20
@@ -362,6 +362,7 @@ for s in "$@"; do
       with_tiles "$FLAT_K_ENTRIES" step goldens_check_flat 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
     epilogues_ab)  # rl-bitwise model rows today, then with the fused epilogue leaves planned
       step model_rl_separate 240 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 16 64 --long-context 0 --part-timeout 230 --out "$out/model_rl_separate"
+      JENGINE_GEMM_EPILOGUES=add_norm step model_rl_add_norm 240 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 16 64 --long-context 0 --part-timeout 230 --out "$out/model_rl_add_norm"
       JENGINE_GEMM_EPILOGUES=add_norm,swiglu step model_rl_epilogues 240 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 16 64 --long-context 0 --part-timeout 230 --out "$out/model_rl_epilogues" ;;
     model_auto) step model_auto 200 python3 -m jengine.cli bench --parts model --numerics auto --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_auto" ;;
     model_auto_unmerged) XLA_FLAGS="--xla_disable_hlo_passes=dot-merger" step model_auto_unmerged 200 python3 -m jengine.cli bench --parts model --numerics auto --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_auto_unmerged" ;;
