@@ -17,10 +17,10 @@ one K loop for a tile with `flat_k`, one loop per chunk otherwise) and
 `split` (one program per tile and chunk, then gemm_reduce_kernel -- or, for a tile with
 `fused_reduce`, the tile's last program adds the chunks in the same order inside the one launch).
 Small M has too few output tiles to fill the GPU, so it takes `split`; tiles with
-`split_at_every_m` take it at every M (their serial form is slow at k_split 4). The choice depends
+`split_at_every_m` take it at every M (the per-chunk serial form is slow at k_split 4; the
+Llama-3-8B entries' prefill tiles run the flat one instead, 2026-12-05). The choice depends
 on M, the bits do not (the row-invariance check in scripts/gpu_validate.py compares M = 1, 2, 3, 7
-and 64 -- split, on the decode launch shapes -- with M = 512 -- the entry's tile, serial for the
-gate/up tile).
+and 64 -- split, on the decode launch shapes -- with M = 512 -- the entry's tile, serial).
 Measured on the H200 (docs/gpu-validation.md): rows bit-identical across M, and the jax-triton and
 torch launches agree bit for bit.
 
