@@ -48,12 +48,12 @@
 #                  today's ROWS 16 w4 and against ROWS 16 on one warp (--ref 4,1,2)
 #   prefill_flat_ab  rl-bitwise's 4096-token prefill and bs 256 decode (where only gate/up runs an
 #                  entry tile) today, then with the tile file's entry tiles on the flat-K serial
-#                  schedule (flat_k on, split_at_every_m off; restored after) (not run yet)
+#                  schedule (flat_k on, split_at_every_m off; restored after) (run 2026-12-05: 192.0 -> 173.5 ms; adopted, so the edit is now a no-op)
 #   goldens_check_flat  the H200 goldens with that tile file edit: every bit must be unchanged
 #   epilogues_ab   rl-bitwise's model rows (decode bs 1 / 16 / 64, ctx 1024, the 4096-token prefill)
 #                  today, then with the experimental fused leaves planned: add_norm alone, then
 #                  add_norm,swiglu (JENGINE_GEMM_EPILOGUES: o_proj / down_proj with the boundary's
-#                  add + norm, gate/up with SwiGLU; bench.json's "kernels" names them) (not run yet)
+#                  add + norm, gate/up with SwiGLU; bench.json's "kernels" names them) (run 2026-12-05: neither pays)
 #   goldens_check_epilogues  the H200 goldens with those leaves planned: every bit must be unchanged
 #   model_auto     auto's model rows (decode bs 1 / 64 / 256, ctx 1024, the 4096-token prefill), 20
 #                  iterations (the eighteenth session's change: auto's GEMMs without a bias write bf16
@@ -68,7 +68,7 @@
 #                  BLOCK_N 32, SPLIT 256 today, ~29-68 TFLOP/s) on wider KV tiles / fewer splits /
 #                  8 warps (auto has no bit contract: each launch's error vs f32 is the check; the
 #                  sm_90 compile: ROWS 64 on 8 warps at BLOCK_N 64 / 128 spills nothing, today's
-#                  launch 12 bytes) (not run yet)
+#                  launch 12 bytes) (run 2026-12-05)
 #   tree_ab        rl-bitwise's model rows (decode bs 1 / 64, ctx 1024, the 4096-token prefill) today,
 #                  then with JENGINE_ATTENTION_ROWSUM=tree (the halving-tree row sum in every launch
 #                  and the wide tile for rl-bitwise's prefill steps too: another numerics definition)
@@ -79,7 +79,7 @@
 #   attention_rows_tree  the attention's row sum as a halving tree (ROWSUM_LEVELS; other bits, an
 #                  experiment): (ROWS, warps) from both of today's bit classes against ROWS 16 w4,
 #                  all on the tree -- 0 rows differing would make the wide tile free for
-#                  rl-bitwise -- and the same launches on today's sum for the time (not run yet)
+#                  rl-bitwise -- and the same launches on today's sum for the time (run 2026-12-05: one class)
 #   attention_split_tree  the split (decode) schedule's µs with the tree row sum, and without
 #   attention_one_warp  the split and serial schedules' decode rows at 1 warp (µs, bits vs today)
 #   attention_tpp16  the same with 16 tokens per program (ROWS 64 on 4 warps) at every step
