@@ -147,7 +147,7 @@ def gemm_add_rmsnorm_leaf(x, w, bias, residual, norm_weight, *, eps, round_sum=F
 
 if triton_available():
     register("linear", "gemm_add_rmsnorm", "triton_fixed_tile", formats=FORMATS, hardware={"gpu"},
-             priority=Priority.TUNED, features=INVARIANT["features"],
-             traits={**INVARIANT["traits"],
-                     **composes(gemm="triton_fixed_tile", add_rmsnorm="triton_fixed_tree")}
+             priority=Priority.TUNED, traits=INVARIANT["traits"],
+             features={*INVARIANT["features"],
+                       composes(gemm="triton_fixed_tile", add_rmsnorm="triton_fixed_tree")}
              )(gemm_add_rmsnorm_leaf)

@@ -88,7 +88,7 @@ def gemm_swiglu_triton_torch(x, w_gate, w_up, *, out_dtype, tile: GemmTile | Non
 
 if triton_available():
     register("linear", "gemm_swiglu", "triton_fixed_tile", formats=FORMATS, hardware={"gpu"},
-             priority=Priority.TUNED, features=INVARIANT["features"],
-             traits={**INVARIANT["traits"],
-                     **composes(gemm_group="triton_fixed_tile", silu="triton_elementwise")}
+             priority=Priority.TUNED, traits=INVARIANT["traits"],
+             features={*INVARIANT["features"],
+                       composes(gemm_group="triton_fixed_tile", silu="triton_elementwise")}
              )(gemm_swiglu_triton)

@@ -67,6 +67,28 @@ def test_planned_only_on_request_and_only_over_its_own_leaves(monkeypatch):
     assert (auto.gemm_add_rmsnorm, auto.gemm_swiglu) == (None, None)
 
 
+def test_a_fused_leaf_silent_on_what_it_composes_is_never_planned(monkeypatch):
+    """A leaf ranked above the portable one but declaring no `composes` feature (only
+    batch_invariant) is not eligible: the plan keeps the leaf that composes the planned ones.
+    Control: the same stand-in declaring the feature is planned."""
+    standin = gemm_epilogues.gemm_add_rmsnorm_fixed_order
+    common = dict(formats={"bf16", "f32"}, hardware={"any"}, priority=Priority.VENDOR)
+    monkeypatch.setenv(gemm_epilogues.ENV, "add_norm")
+    REGISTRY.register("linear", "gemm_add_rmsnorm", "standin_silent", **common,
+                      features={"batch_invariant"})(standin)
+    try:
+        assert _plan().gemm_add_rmsnorm.leaf.impl == "fixed_order"
+    finally:
+        REGISTRY.unregister("linear", "gemm_add_rmsnorm", "standin_silent")
+    REGISTRY.register("linear", "gemm_add_rmsnorm", "standin_declared", **common, features={
+        "batch_invariant", gemm_epilogues.composes(gemm="fixed_order", add_rmsnorm="fixed_order")})(
+        standin)
+    try:
+        assert _plan().gemm_add_rmsnorm.leaf.impl == "standin_declared"
+    finally:
+        REGISTRY.unregister("linear", "gemm_add_rmsnorm", "standin_declared")
+
+
 @pytest.fixture
 def triton_gemm_and_epilogues_on_a_gpu(monkeypatch):
     """The Triton GEMM, SiLU and the two fused leaves registered as on a GPU (not the norm)."""
@@ -143,14 +165,13 @@ def test_control_the_fused_path_is_taken_and_a_wrong_leaf_on_it_is_caught(monkey
         calls.append(x.shape)
         return gemm_epilogues.gemm_swiglu_fixed_order(x, w_gate, w_up, out_dtype=out_dtype)
 
-    common = dict(formats={"bf16", "f32"}, hardware={"any"}, priority=Priority.VENDOR,
-                  features={"batch_invariant"})
-    REGISTRY.register("linear", "gemm_add_rmsnorm", "standin_wrong", **common,
-                      traits=gemm_epilogues.composes(gemm="fixed_order",
-                                                     add_rmsnorm="fixed_order"))(wrong_add_norm)
-    REGISTRY.register("linear", "gemm_swiglu", "standin_counted", **common,
-                      traits=gemm_epilogues.composes(gemm_group="fixed_order",
-                                                     silu="elementwise"))(counted_swiglu)
+    common = dict(formats={"bf16", "f32"}, hardware={"any"}, priority=Priority.VENDOR)
+    REGISTRY.register("linear", "gemm_add_rmsnorm", "standin_wrong", **common, features={
+        "batch_invariant", gemm_epilogues.composes(gemm="fixed_order", add_rmsnorm="fixed_order")})(
+        wrong_add_norm)
+    REGISTRY.register("linear", "gemm_swiglu", "standin_counted", **common, features={
+        "batch_invariant", gemm_epilogues.composes(gemm_group="fixed_order", silu="elementwise")})(
+        counted_swiglu)
     try:
         monkeypatch.setenv(gemm_epilogues.ENV, "add_norm,swiglu")
         got = goldens.compute(["tiny"], trainer=False, device="cpu")["tiny"]

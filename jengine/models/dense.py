@@ -16,7 +16,6 @@ reader, or random values for the bench), so the model never sees a tensor name.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -34,9 +33,7 @@ from jengine.models.layers.norm import RMSNorm
 from jengine.models.layers.param import ParamSpec
 from jengine.models.layers.rope import rope_tables
 from pallas_kernels import gemm_epilogues
-from pallas_kernels.registry import KernelPlan, KernelPlanError, plan
-
-logger = logging.getLogger(__name__)
+from pallas_kernels.registry import KernelPlan, plan
 
 
 @dataclass(frozen=True)
@@ -77,37 +74,11 @@ class ModelKernels:
             attention=plan("attention", "paged", geometry=attention_geometry, **kw),
             rope_write=plan("attention", "rope_write", geometry=attention_geometry, **kw),
         )
-        return cls(**plans, **_epilogue_plans(plans, kw))
+        return cls(**plans, **gemm_epilogues.plan_fused(plans, **kw))
 
     def describe(self) -> dict[str, str]:
         return {f: None if getattr(self, f) is None else getattr(self, f).leaf.impl
                 for f in self.__dataclass_fields__}
-
-
-def _epilogue_plans(plans: dict, kw: dict) -> dict:
-    """The fused leaves JENGINE_GEMM_EPILOGUES asks for, each planned only as the composition of
-    exactly the separate leaves in `plans` (its `composes` trait), so it cannot move a bit. A
-    request no leaf can serve under these plans (auto's XLA GEMM has no fused form) is logged and
-    left unplanned: the body then calls the separate leaves, as without the request."""
-    wanted = gemm_epilogues.requested()
-    families = {"add_norm": ("gemm_add_rmsnorm", ("gemm", "add_rmsnorm")),
-                "swiglu": ("gemm_swiglu", ("gemm_group", "silu"))}
-    out = {}
-    for kind in sorted(wanted):
-        name, parts = families[kind]
-        impls = {part: plans[part].leaf.impl for part in parts}
-        try:
-            out[name] = plan("linear", name, traits=gemm_epilogues.composes(**impls), **kw)
-        except KernelPlanError as exc:
-            logger.warning("%s=%s: %s not planned: no leaf composes %s (%s)", gemm_epilogues.ENV,
-                           kind, name, impls, exc)
-            continue
-        # A leaf silent on `composes` passes the trait filter; only a declared match is exact.
-        if out[name].leaf.traits.get("composes") != impls:
-            logger.warning("%s=%s: %s's leaf %s does not declare that it composes %s; not planned",
-                           gemm_epilogues.ENV, kind, name, out[name].leaf.impl, impls)
-            del out[name]
-    return out
 
 
 def dense_mlp(cfg, layer: int):
