@@ -54,22 +54,40 @@ def _row_ptrs(ptr, tok, g, h, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr
     return ptr + (tok.to(tl.int64) * HQ + h * G + g)[:, None] * D + d[None, :]
 
 
+# The row sum's forms (the ROWSUM constexpr; pallas_kernels/triton_attention.py chooses one).
+ROWSUM_TRITON, ROWSUM_TREE, ROWSUM_DOT = 0, 1, 2
+
+
 @triton.jit
-def _row_sum(p, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ROWSUM_LEVELS: tl.constexpr):
-    """Each row's sum of p [ROWS, BLOCK_N]. ROWSUM_LEVELS 0 (every launch today): Triton's
-    reduction, whose order follows how the launch spreads a row over threads and warps -- the
-    two bit classes of (ROWS, warps) measured on the H200 (docs/performance.md, sixteenth
-    session). ROWSUM_LEVELS n (BLOCK_N = 2**n; an experiment, other bits): the halving tree,
-    v[:, :h] + v[:, h:] until one column is left -- every add is of the same two values in any
-    layout, so a launch's shape could no longer reach the sum."""
-    if ROWSUM_LEVELS == 0:
+def _row_sum(p, v, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ROWSUM: tl.constexpr,
+             IEEE: tl.constexpr):
+    """Each row's sum over a KV tile. ROWSUM_TRITON (every launch today): tl.sum of p, whose order
+    follows how the launch spreads a row over threads and warps -- the two bit classes of (ROWS,
+    warps) measured on the H200 (docs/performance.md, sixteenth session). ROWSUM_TREE (an
+    experiment, other bits): p summed by the halving tree, p[:, :h] + p[:, h:] until one column
+    is left -- every add is of the same two values in any layout; it costs the narrow serial
+    launch its reductions' layout changes. ROWSUM_DOT (an experiment, other bits): the sum of
+    p in v's dtype, the p the numerator's p . v uses, taken by the same MMA as p . v (a dot
+    with a ones matrix, whose columns are all the row's sum; their max is that sum exactly). An MMA never
+    splits K across threads or warps, so no layout reaches it either (the H200's p . v and q . k
+    already agree across every (ROWS, warps)), and the weights the output averages with then sum
+    to exactly the l it is divided by."""
+    if ROWSUM == 0:
         total = tl.sum(p, axis=1)
+    elif ROWSUM == 1:
+        part = p
+        for level in tl.static_range(16):  # log2(BLOCK_N) halvings; BLOCK_N is a power of two
+            if (BLOCK_N >> (level + 1)) > 0:
+                part = tl.sum(tl.reshape(part, (ROWS, 2, BLOCK_N >> (level + 1))), axis=1)
+        total = tl.sum(part, axis=1)  # one column left
     else:
-        tl.static_assert(BLOCK_N == 1 << ROWSUM_LEVELS, "ROWSUM_LEVELS must be log2(BLOCK_N)")
-        v = p
-        for level in tl.static_range(ROWSUM_LEVELS):
-            v = tl.sum(tl.reshape(v, (ROWS, 2, BLOCK_N >> (level + 1))), axis=1)
-        total = tl.sum(v, axis=1)  # one column left
+        tl.static_assert(ROWSUM == 2, "ROWSUM must be 0 (Triton), 1 (tree) or 2 (dot)")
+        ones = tl.full((BLOCK_N, 16), 1.0, tl.float32).to(v.dtype)  # exact in any dtype
+        if IEEE:
+            by_col = tl.dot(p.to(v.dtype), ones, input_precision="ieee")
+        else:
+            by_col = tl.dot(p.to(v.dtype), ones)
+        total = tl.max(by_col, axis=1)
     return total
 
 
@@ -77,7 +95,7 @@ def _row_sum(p, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ROWSUM_LEVELS: tl.con
 def _split_state(q, row_pos, max_pos, req, split, bt_ptr, k_ptr, v_ptr, page_size, table_width,
                  scale, h, HKV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-                 ROWSUM_LEVELS: tl.constexpr):
+                 ROWSUM: tl.constexpr):
     """Online softmax over the KV tiles of one split, for every row. Returns (m, l, acc)."""
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     l = tl.zeros((ROWS,), tl.float32)
@@ -103,7 +121,7 @@ def _split_state(q, row_pos, max_pos, req, split, bt_ptr, k_ptr, v_ptr, page_siz
         m_new = tl.where(live, tl.maximum(m, tl.max(s, axis=1)), m)
         alpha = _expf(m - m_new)
         p = tl.where(valid, _expf(s - m_new[:, None]), 0.0)
-        l_new = tl.fma(l, alpha, _row_sum(p, ROWS, BLOCK_N, ROWSUM_LEVELS))
+        l_new = tl.fma(l, alpha, _row_sum(p, v, ROWS, BLOCK_N, ROWSUM, IEEE))
         if IEEE:
             acc_new = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
         else:
@@ -184,7 +202,7 @@ def attention_serial_kernel(
     out_ptr,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, TPP: tl.constexpr,
     D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-    ROWSUM_LEVELS: tl.constexpr,
+    ROWSUM: tl.constexpr,
 ):
     """Grid (tiles, HKV): every split of a tile's rows in one program, merged in order."""
     tile = tl.program_id(0)
@@ -200,7 +218,7 @@ def attention_serial_kernel(
         for split in range(0, max_pos // SPLIT + 1):
             m, l, acc = _split_state(q, row_pos, max_pos, req, split, bt_ptr, k_ptr, v_ptr,
                                      page_size, table_width, scale, h, HKV, D,
-                                     ROWS, BLOCK_N, SPLIT, IEEE, ROWSUM_LEVELS)
+                                     ROWS, BLOCK_N, SPLIT, IEEE, ROWSUM)
             big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc,
                                            split * SPLIT <= row_pos)
         _store_out(out_ptr, big_l, big_acc, g, ok, tok, h, HQ, G, D)
@@ -212,7 +230,7 @@ def attention_split_kernel(
     sem_in_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, sem_ptr,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, TPP: tl.constexpr,
     D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-    ROWSUM_LEVELS: tl.constexpr, NSPLIT: tl.constexpr,
+    ROWSUM: tl.constexpr, NSPLIT: tl.constexpr,
 ):
     """Grid (tiles, HKV, NSPLIT): one split of one tile per program, its state stored to the
     partials [tile, h, split, row]; sem_ptr: one int32 counter per (tile, h) (last_to_arrive;
@@ -231,7 +249,7 @@ def attention_split_kernel(
             ROWS: tl.constexpr = TPP * GP
             m, l, acc = _split_state(q, row_pos, max_pos, req, split, bt_ptr, k_ptr, v_ptr,
                                      page_size, table_width, scale, h, HKV, D,
-                                     ROWS, BLOCK_N, SPLIT, IEEE, ROWSUM_LEVELS)
+                                     ROWS, BLOCK_N, SPLIT, IEEE, ROWSUM)
             base0 = (tile.to(tl.int64) * HKV + h) * NSPLIT * ROWS
             _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0 + split * ROWS, m, l,
                             acc, ROWS, D)

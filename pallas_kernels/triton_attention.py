@@ -159,20 +159,24 @@ def _check(q, k_cache, v_cache):
                          f"{q.dtype}")
 
 
-def rowsum_tree() -> bool:
-    """Whether JENGINE_ATTENTION_ROWSUM asks for the halving-tree row sum ("tree"; unset, "" or
-    "triton": today's). Another value is an error naming the variable and the value."""
+ROWSUM_FORMS = {"": 0, "triton": 0, "tree": 1, "dot": 2}  # the kernels' ROWSUM_* codes
+
+
+def rowsum_form() -> int:
+    """The row sum JENGINE_ATTENTION_ROWSUM asks for, as the kernels' ROWSUM code: unset, "" or
+    "triton" today's; "tree" or "dot" one whose order no layout reaches. Another value is an
+    error naming the variable and the value."""
     value = os.environ.get(ROWSUM_ENV, "")
-    if value not in ("", "triton", "tree"):
-        raise ValueError(f"{ROWSUM_ENV}={value!r}: expected 'tree' or 'triton' (the default)")
-    return value == "tree"
+    if value not in ROWSUM_FORMS:
+        raise ValueError(f"{ROWSUM_ENV}={value!r}: expected one of 'triton' (the default), "
+                         f"'tree' or 'dot'")
+    return ROWSUM_FORMS[value]
 
 
 def _constexprs(q, k_cache) -> dict:
     geo = geometry(q.shape[1], k_cache.shape[2], q.shape[2])
-    levels = BLOCK_N.bit_length() - 1 if rowsum_tree() else 0
     return dict(geo, BLOCK_N=BLOCK_N, SPLIT=SPLIT, IEEE=dtype_name(q.dtype) == "f32",
-                ROWSUM_LEVELS=levels)
+                ROWSUM=rowsum_form())
 
 
 def wide_tpp(c: dict, num_tokens: int, schedule: str) -> int:
@@ -187,7 +191,7 @@ def _plan(q, k_cache, schedule: str | None, wide: bool) -> tuple[str, dict]:
     t = q.shape[0]
     c = _constexprs(q, k_cache)
     schedule = schedule or schedule_for(t)
-    if wide or c["ROWSUM_LEVELS"]:  # under the tree row sum, every leaf's prefill is wide
+    if wide or c["ROWSUM"]:  # under a layout-free row sum, every leaf's prefill is wide
         c["TPP"] = wide_tpp(c, t, schedule)
     return schedule, c
 

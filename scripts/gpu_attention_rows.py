@@ -14,9 +14,9 @@ context 1024. Every output's float bits are compared with the ROWS-16 launch (0 
 for a tile to be usable without a new contract); timings are medians of 20 launches after warm-up.
 Negative control: SPLIT 256 -> 128 must change bits (the comparison can fail). --ref compares
 against another launch than the engine's (e.g. 4,1,2: ROWS 16 on one warp), --configs names the
-launches to compare (TPP,WARPS,STAGES each). --rowsum-tree: every launch sums a row with the
-halving tree (ROWSUM_LEVELS, other bits than the engine's): do the two (ROWS, warps) bit classes
-become one, and what does it cost? Writes attention_rows.json / .md to --out.
+launches to compare (TPP,WARPS,STAGES each). --rowsum tree|dot: every launch sums a row with the
+halving tree or the MMA (the kernels' ROWSUM, other bits than the engine's): do the two (ROWS,
+warps) bit classes become one, and what does it cost? Writes attention_rows.json / .md to --out.
 """
 
 from __future__ import annotations
@@ -36,18 +36,15 @@ from pallas_kernels._triton_launch import torch_launch  # noqa: E402
 
 PAGE, HQ, HKV, D = 16, 32, 8, 128
 DEV = "cuda"  # --smoke: "cpu" under Triton's interpreter (a logic check of this script)
-# --rowsum-tree: every launch sums a row's p with the halving tree (the kernels' ROWSUM_LEVELS;
-# other bits than the engine's, an experiment: does it put every (ROWS, warps) in one bit class,
-# and at what cost?)
-ROWSUM_TREE = False
+# --rowsum: every launch sums a row's p with this form (triton_attention.ROWSUM_FORMS; "tree" and
+# "dot" are other bits than the engine's, an experiment: does one put every (ROWS, warps) in one
+# bit class, and at what cost?)
+ROWSUM = "triton"
 
 
 def constexprs(q, k, **over) -> dict:
-    """The leaf's constexprs for q / the pool, with `over` and this run's row sum (the tree's
-    levels follow the launch's BLOCK_N)."""
-    c = dict(ta._constexprs(q, k), **over)
-    c["ROWSUM_LEVELS"] = c["BLOCK_N"].bit_length() - 1 if ROWSUM_TREE else 0
-    return c
+    """The leaf's constexprs for q / the pool, with `over` and this run's row sum."""
+    return dict(ta._constexprs(q, k), **over, ROWSUM=ta.ROWSUM_FORMS[ROWSUM])
 
 
 def make_case(gen, lengths, new_tokens):
@@ -156,11 +153,12 @@ def main() -> int:
                    help="TPP,WARPS,STAGES[,BLOCK_N[,SPLIT]] launches (default: a sweep); another "
                         "BLOCK_N or SPLIT is another algorithm (other bits): for --numerics auto's "
                         "tile, judged by its error against f32 (the table's last column)")
-    p.add_argument("--rowsum-tree", action="store_true",
-                   help="every launch (reference and control too) with the halving-tree row sum")
+    p.add_argument("--rowsum", choices=sorted(set(ta.ROWSUM_FORMS) - {""}), default="triton",
+                   help="every launch's row sum (reference and control too): tree / dot are "
+                        "the layout-free experiments")
     args = p.parse_args()
-    global DEV, ROWSUM_TREE
-    ROWSUM_TREE = args.rowsum_tree
+    global DEV, ROWSUM
+    ROWSUM = args.rowsum
     if args.smoke:
         DEV = "cpu"
         from tests import triton_interpreter  # noqa: F401 -- before the kernels' module is imported

@@ -168,11 +168,12 @@ def main() -> int:
                    help="WARPS,STAGES[,TPP] launches to sweep (default: a fixed set around today's)")
     p.add_argument("--serial", action="store_true",
                    help="the serial schedule's launch settings instead (64 / 256 rows, prefill)")
-    p.add_argument("--rowsum-tree", action="store_true",
-                   help="every launch with the halving-tree row sum (other bits: an experiment)")
+    p.add_argument("--rowsum", choices=sorted(set(ta.ROWSUM_FORMS) - {""}), default="triton",
+                   help="every launch's row sum: tree / dot are the layout-free experiments "
+                        "(other bits)")
     args = p.parse_args()
-    if args.rowsum_tree:
-        rows_exp.ROWSUM_LEVELS = ta.BLOCK_N.bit_length() - 1
+    rows_exp.ROWSUM = args.rowsum  # this script's launches take their constexprs from there,
+    os.environ[ta.ROWSUM_ENV] = args.rowsum  # the leaf's own (the serial reference) from here
     if args.smoke:  # before the kernels' module is imported: the interpreter is chosen then
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                         "tests"))

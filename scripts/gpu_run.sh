@@ -69,18 +69,21 @@
 #                  8 warps (auto has no bit contract: each launch's error vs f32 is the check; the
 #                  sm_90 compile: ROWS 64 on 8 warps at BLOCK_N 64 / 128 spills nothing, today's
 #                  launch 12 bytes) (run 2026-12-05)
-#   tree_ab        rl-bitwise's model rows (decode bs 1 / 64, ctx 1024, the 4096-token prefill) today,
-#                  then with JENGINE_ATTENTION_ROWSUM=tree (the halving-tree row sum in every launch
-#                  and the wide tile for rl-bitwise's prefill steps too: another numerics definition)
-#   accept_llama_tree  accept_llama under that switch: trainer alignment at production widths --
-#                  the trainer's twin runs whole sequences on the wide tile, the engine decodes on
-#                  the narrow one, so MATCH means the tree made the layout irrelevant to the bits
-#   harness_prod_llama_tree  harness_prod_llama under the switch (after accept_llama_tree)
-#   attention_rows_tree  the attention's row sum as a halving tree (ROWSUM_LEVELS; other bits, an
-#                  experiment): (ROWS, warps) from both of today's bit classes against ROWS 16 w4,
-#                  all on the tree -- 0 rows differing would make the wide tile free for
-#                  rl-bitwise -- and the same launches on today's sum for the time (run 2026-12-05: one class)
-#   attention_split_tree  the split (decode) schedule's µs with the tree row sum, and without
+#   The layout-free row sums (JENGINE_ATTENTION_ROWSUM=tree / dot: another numerics definition
+#   each; <form> below is tree, dot or today, today's Triton sum):
+#   attention_rows_<form>  (ROWS, warps) from both of today's bit classes against ROWS 16 w4, every
+#                  launch on that sum -- 0 rows differing makes the wide tile free for rl-bitwise
+#                  (tree, 2026-12-05: one class) -- and ms per layer
+#   attention_split_<form> / attention_serial_<form>  the decode schedules (split: bs 1 / 16;
+#                  serial: 64 / 256 rows) on that sum, warps / stages swept (µs, rows vs the
+#                  engine's launch and vs the serial leaf); the split steps also time SPLIT 128 / 64
+#   attention_rows_dot_splits  the prefill launches on the dot sum at SPLIT 128 / 64 (ms, error)
+#   rowsum_ab_<form>  rl-bitwise's model rows (decode bs 1 / 64 / 256, ctx 1024, the 4096-token
+#                  prefill) on that sum (tree / dot: with the wide tile for its prefill steps)
+#   accept_llama_<form>  accept_llama on that sum (tree / dot): the trainer's twin runs whole
+#                  sequences on the wide tile, the engine decodes on the narrow one, so MATCH
+#                  means the layout no longer reaches the bits; harness_prod_llama_<form> after it
+#   goldens_record_dot  goldens.py record on the dot sum ($out/h200_dot.json)
 #   attention_one_warp  the split and serial schedules' decode rows at 1 warp (µs, bits vs today)
 #   attention_tpp16  the same with 16 tokens per program (ROWS 64 on 4 warps) at every step
 #   mla_digest     scripts/gpu_mla_digest.py: SHA-256 of the Triton MLA leaf's output bits on fixed
@@ -208,6 +211,10 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCAT
 export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 echo "| step | result | wall |" > "$out/summary.md"
 echo "|---|---|---|" >> "$out/summary.md"
+rowsum_of() {  # a step's row-sum suffix as JENGINE_ATTENTION_ROWSUM's value ("today" is the default's)
+  if [ "$1" = today ]; then echo triton; else echo "$1"; fi
+}
+
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   local t0=$SECONDS
@@ -273,12 +280,16 @@ for s in "$@"; do
       step attention_rows_w1 200 python3 scripts/gpu_attention_rows.py --ref 4,1,2 --configs 4,1,2 8,2,2 16,4,2 32,8,2 16,4,3 --out "$out/attention_rows_w1" ;;
     attention_auto_tiles)  # auto's prefill attention on wider KV tiles: ms, error vs f32
       step attention_auto_tiles 300 python3 scripts/gpu_attention_rows.py --ref 16,4,2 --configs 16,4,2 16,8,2 16,4,2,64 16,8,2,64 16,8,3,64 16,8,2,128 16,8,2,64,1024 16,8,2,128,1024 32,8,2,64 32,8,2,128 --out "$out/attention_auto_tiles" ;;
-    attention_rows_tree)  # the halving-tree row sum: one bit class for every (ROWS, warps)? at what cost?
-      step attention_rows_tree 200 python3 scripts/gpu_attention_rows.py --rowsum-tree --configs 4,4,2 4,1,2 8,8,2 16,4,2 32,8,2 16,8,2 --out "$out/attention_rows_tree"
+    attention_rows_tree|attention_rows_dot)  # a layout-free row sum: one bit class for every (ROWS, warps)? at what cost?
+      step "$s" 200 python3 scripts/gpu_attention_rows.py --rowsum "${s#attention_rows_}" --configs 4,4,2 4,1,2 8,8,2 16,4,2 32,8,2 16,8,2 --out "$out/$s" ;;
+    attention_rows_today)  # the same launches on today's sum (the times to compare with)
       step attention_rows_today 200 python3 scripts/gpu_attention_rows.py --configs 4,4,2 4,1,2 8,8,2 16,4,2 32,8,2 16,8,2 --out "$out/attention_rows_today" ;;
-    attention_split_tree)  # the decode split schedule with the tree row sum, and today's
-      step attention_split_tree 150 python3 scripts/gpu_attention_split.py --rowsum-tree --out "$out/attention_split_tree"
-      step attention_split_today 150 python3 scripts/gpu_attention_split.py --out "$out/attention_split_today" ;;
+    attention_split_tree|attention_split_dot|attention_split_today)  # the decode split schedule (bs 1 / 16) on that row sum, warps / stages swept
+      step "$s" 150 python3 scripts/gpu_attention_split.py --rowsum "$(rowsum_of "${s#attention_split_}")" --configs 4,2 4,3 2,2 2,3 1,2 8,2 --splits 128 64 --out "$out/$s" ;;
+    attention_rows_dot_splits)  # the prefill on the dot sum with smaller splits (another definition: ms, error vs f32)
+      step "$s" 200 python3 scripts/gpu_attention_rows.py --rowsum dot --ref 16,4,2 --configs 16,4,2 16,4,2,32,128 16,4,2,32,64 32,8,2 32,8,2,32,128 32,8,2,32,64 4,4,2,32,64 --out "$out/$s" ;;
+    attention_serial_dot|attention_serial_today)  # the serial schedule's decode rows (64 / 256) on that row sum
+      step "$s" 150 python3 scripts/gpu_attention_split.py --serial --rowsum "$(rowsum_of "${s#attention_serial_}")" --configs 4,2 4,3 8,2 2,2 --out "$out/$s" ;;
     attention_one_warp)  # the decode schedules on one warp (ROWS 16 / 1 warp: the bits of ROWS 64 on 4)
       step attention_split_w1 120 python3 scripts/gpu_attention_split.py --configs 4,2 1,2 1,3 1,4 --out "$out/attention_split_w1"
       step attention_serial_w1 150 python3 scripts/gpu_attention_split.py --serial --configs 4,2 1,2 1,3 1,4 --out "$out/attention_serial_w1" ;;
@@ -345,11 +356,15 @@ for s in "$@"; do
     router_grouped) step router_grouped 300 env JAX_PLATFORMS=cpu python3 scripts/gpu_router_grouped.py --out "$out/router_grouped" ;;
     align_*) step "$s" 150 bash scripts/gpu_align.sh "$out/$s" "${s#align_}" ;;
     accept_qwen3moe|accept_deepseek_v3|accept_longcat) step "$s" 300 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases "${s#accept_}" ;;
-    tree_ab)  # rl-bitwise model rows today, then on the tree row sum with the wide prefill tile
-      step model_rl_rowsum_today 220 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --part-timeout 210 --out "$out/model_rl_rowsum_today"
-      JENGINE_ATTENTION_ROWSUM=tree step model_rl_rowsum_tree 220 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --part-timeout 210 --out "$out/model_rl_rowsum_tree" ;;
-    accept_llama_tree) JENGINE_ATTENTION_ROWSUM=tree step accept_llama_tree 420 python3 scripts/gpu_acceptance.py --out "$out/accept_llama_tree" --cases llama ;;
-    harness_prod_llama_tree) JENGINE_ATTENTION_ROWSUM=tree step harness_prod_llama_tree 300 python3 -m jengine.cli invariance --model /tmp/acceptance/llama --numerics rl-bitwise --max-new-tokens 8 ;;
+    rowsum_ab_today|rowsum_ab_tree|rowsum_ab_dot)  # rl-bitwise's model rows on that row sum (tree / dot: the wide tile for its prefill steps too)
+      JENGINE_ATTENTION_ROWSUM="$(rowsum_of "${s#rowsum_ab_}")" step "model_rl_rowsum_${s#rowsum_ab_}" 300 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 280 --out "$out/model_rl_rowsum_${s#rowsum_ab_}" ;;
+    accept_llama_tree|accept_llama_dot)  # trainer alignment at production widths on that row sum: the twin runs whole
+      # sequences on the wide tile, the engine decodes on the narrow one -- MATCH means the layout no longer reaches the bits
+      JENGINE_ATTENTION_ROWSUM="${s#accept_llama_}" step "$s" 420 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases llama ;;
+    harness_prod_llama_tree|harness_prod_llama_dot)  # after accept_llama_<form>
+      JENGINE_ATTENTION_ROWSUM="${s#harness_prod_llama_}" step "$s" 300 python3 -m jengine.cli invariance --model /tmp/acceptance/llama --numerics rl-bitwise --max-new-tokens 8 ;;
+    goldens_record_dot)  # the goldens on the dot row sum (what adopting it as the definition would record)
+      JENGINE_ATTENTION_ROWSUM=dot step goldens_record_dot 560 python3 scripts/goldens.py record --sections tiny families production --device cuda --out "$out/h200_dot.json" ;;
     accept_*) step "$s" 420 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases "${s#accept_}" ;;
     acceptance) step acceptance 1500 python3 scripts/gpu_acceptance.py --out "$out/acceptance" ;;
     goldens_record) step goldens_record 560 python3 scripts/goldens.py record --sections tiny families production --device cuda --out "$out/h200.json" ;;

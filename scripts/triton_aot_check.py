@@ -151,7 +151,7 @@ def attention_kernels():
         for dtype in ("bf16", "fp32"):
             geo = ta.geometry(hq, hkv, d)
             c = dict(geo, BLOCK_N=ta.BLOCK_N, SPLIT=ta.SPLIT, IEEE=dtype == "fp32",
-                     ROWSUM_LEVELS=0)
+                     ROWSUM=0)
             inputs = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
                       "bt_ptr": "*i32", "pos_ptr": "*i32", "tiles_ptr": "*i32", "num_tiles": "i32",
                       "page_size": "i32", "table_width": "i32", "scale": "fp32"}
@@ -166,15 +166,18 @@ def attention_kernels():
                      "part_acc_ptr": "*fp32", "out_ptr": f"*{dtype}", "sem_ptr": "*i32"}
             yield (label + " split", K.attention_split_kernel, dict(inputs, **parts),
                    dict(c, NSPLIT=8), launch)
-            if (hq, dtype) == (32, "bf16"):  # the halving-tree row sum (gpu_run.sh
-                # attention_rows_tree / attention_split_tree, an experiment) at what they launch
-                tree = dict(c, ROWSUM_LEVELS=ta.BLOCK_N.bit_length() - 1)
-                for tpp, warps in ((4, 4), (4, 1), (8, 8), (16, 4), (32, 8)):
-                    yield (label + f" serial tree TPP={tpp} w{warps}", K.attention_serial_kernel,
-                           dict(inputs, out_ptr=f"*{dtype}"), dict(tree, TPP=tpp),
-                           (warps, ta.NUM_STAGES, False))
-                yield (label + " split tree", K.attention_split_kernel, dict(inputs, **parts),
-                       dict(tree, NSPLIT=8), launch)
+            if hq == 32:  # the layout-free row sums (JENGINE_ATTENTION_ROWSUM=tree / dot, gpu_run.sh
+                # attention_rows_<form> / attention_split_<form>) at what they launch
+                for form, code in (("tree", 1), ("dot", 2)):
+                    if (form, dtype) == ("tree", "fp32"):
+                        continue
+                    alt = dict(c, ROWSUM=code)
+                    for tpp, warps in ((4, 4), (4, 1), (8, 8), (16, 4), (32, 8)):
+                        yield (label + f" serial {form} TPP={tpp} w{warps}",
+                               K.attention_serial_kernel, dict(inputs, out_ptr=f"*{dtype}"),
+                               dict(alt, TPP=tpp), (warps, ta.NUM_STAGES, False))
+                    yield (label + f" split {form}", K.attention_split_kernel,
+                           dict(inputs, **parts), dict(alt, NSPLIT=8), launch)
             rope = {**{p: f"*{dtype}" for p in ("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr")},
                     "page_ptr": "*i32", "slot_ptr": "*i32", "kc_ptr": f"*{dtype}",
                     "vc_ptr": f"*{dtype}", "num_pages": "i32", "page_size": "i32",

@@ -261,68 +261,90 @@ def test_auto_plans_the_wide_tile_and_rl_bitwise_never_does(registered):
     assert leaf.traits == {"deterministic": True, "batch_invariant": False}
 
 
-# -- the halving-tree row sum (ROWSUM_LEVELS, an experiment: other bits, planned only on request) ---
+# -- the layout-free row sums (ROWSUM tree / dot: experiments, other bits, planned only on request) --
 
 _row_sum = ta.kernels()._row_sum
 
 
 @triton.jit
 def _row_sum_kernel(p_ptr, out_ptr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    ROWSUM_LEVELS: tl.constexpr):
+                    ROWSUM: tl.constexpr):
     r = tl.arange(0, ROWS)
     c = tl.arange(0, BLOCK_N)
     p = tl.load(p_ptr + r[:, None] * BLOCK_N + c[None, :])
-    tl.store(out_ptr + r, _row_sum(p, ROWS, BLOCK_N, ROWSUM_LEVELS))
+    tl.store(out_ptr + r, _row_sum(p, p.to(tl.bfloat16), ROWS, BLOCK_N, ROWSUM, False))  # v: bf16
+
+
+def _row_sums(p: np.ndarray, form: str) -> np.ndarray:
+    out = torch.empty(p.shape[0], dtype=torch.float32)
+    _row_sum_kernel[(1,)](torch.from_numpy(p), out, ROWS=p.shape[0], BLOCK_N=p.shape[1],
+                          ROWSUM=ta.ROWSUM_FORMS[form])
+    return out.numpy()
 
 
 def test_the_tree_row_sum_is_the_halving_tree():
-    """ROWSUM_LEVELS = log2(BLOCK_N): each row's sum is v[:h] + v[h:] until one element is left,
-    bit for bit. Control: the same values summed left to right (numpy's elementwise adds, so no
-    reduction order numpy or the processor chooses) are another number in some row."""
+    """"tree": each row's sum is v[:h] + v[:h] until one element is left, bit for bit. Control:
+    the same values summed left to right (numpy's elementwise adds, so no reduction order numpy
+    or the processor chooses) are another number in some row."""
     rows, width = 16, ta.BLOCK_N
     rng = np.random.default_rng(3)
     p = (rng.standard_normal((rows, width)) * np.logspace(-4, 4, width)).astype(np.float32)
-    out = torch.empty(rows, dtype=torch.float32)
-    _row_sum_kernel[(1,)](torch.from_numpy(p), out, ROWS=rows, BLOCK_N=width,
-                          ROWSUM_LEVELS=width.bit_length() - 1)
-    assert count_bit_differences(out.numpy(), numpy_halving_tree(p)) == 0
+    out = _row_sums(p, "tree")
+    assert count_bit_differences(out, numpy_halving_tree(p)) == 0
     left_to_right = p[:, 0].copy()
     for c in range(1, width):
         left_to_right = left_to_right + p[:, c]
-    assert count_bit_differences(out.numpy(), left_to_right) > 0
+    assert count_bit_differences(out, left_to_right) > 0
 
 
-@pytest.fixture()
-def tree_rowsum(monkeypatch):
-    """The leaf's launches with the halving-tree row sum (JENGINE_ATTENTION_ROWSUM=tree)."""
-    monkeypatch.setenv(ta.ROWSUM_ENV, "tree")
+def test_the_dot_row_sum_sums_the_rounded_p():
+    """"dot": each row's sum is the sum of p rounded to bf16 (the p that p . v averages with).
+    The values are 1 + k / 128 times a power of two within a 2**6 range, so every partial sum is
+    exact in f32 and the float64 sum is the answer in any order. Control: p's own (unrounded)
+    sum is another number in every row."""
+    rows, width = 16, ta.BLOCK_N
+    rng = np.random.default_rng(5)
+    rounded = ((1 + rng.integers(0, 128, (rows, width)) / 128)
+               * 2.0 ** rng.integers(-6, 0, (rows, width)))
+    p = (rounded * (1 + 2.0 ** -12)).astype(np.float32)  # rounds to `rounded` in bf16
+    assert (torch.from_numpy(p).to(torch.bfloat16).double().numpy() == rounded).all()
+    out = _row_sums(p, "dot")
+    assert count_bit_differences(out, rounded.sum(axis=1).astype(np.float32)) == 0
+    assert count_bit_differences(out, p.astype(np.float64).sum(axis=1).astype(np.float32)) == rows
 
 
-def test_the_tree_switch_plans_the_tree_and_the_wide_prefill_tile(monkeypatch):
+@pytest.fixture(params=["tree", "dot"])
+def layout_free_rowsum(request, monkeypatch):
+    """The leaf's launches with a layout-free row sum (JENGINE_ATTENTION_ROWSUM=tree / dot)."""
+    monkeypatch.setenv(ta.ROWSUM_ENV, request.param)
+    return request.param
+
+
+def test_the_rowsum_switch_plans_the_form_and_the_wide_prefill_tile(monkeypatch):
     """JENGINE_ATTENTION_ROWSUM: unset, every launch sums Triton's way and only auto's leaf widens
-    a prefill; "tree", every launch (engine and twin: one _plan) takes the tree and the
+    a prefill; "tree" or "dot", every launch (engine and twin: one _plan) takes that form and the
     batch-invariant leaf's prefill steps the wide tile too, while decode steps keep theirs. Another
     value is refused, naming the variable and the value."""
     q = torch.zeros((512, 32, 128), dtype=torch.bfloat16)
     pool = torch.zeros((8, 16, 8, 128), dtype=torch.bfloat16)
     monkeypatch.delenv(ta.ROWSUM_ENV, raising=False)
     schedule, c = ta._plan(q, pool, None, False)
-    assert (schedule, c["ROWSUM_LEVELS"], c["TPP"] * c["GP"]) == ("serial", 0, ta.MIN_ROWS)
+    assert (schedule, c["ROWSUM"], c["TPP"] * c["GP"]) == ("serial", 0, ta.MIN_ROWS)
     assert ta._plan(q, pool, None, True)[1]["TPP"] * c["GP"] == ta.WIDE_ROWS
-    monkeypatch.setenv(ta.ROWSUM_ENV, "tree")
-    schedule, c = ta._plan(q, pool, None, False)
-    assert (schedule, c["ROWSUM_LEVELS"], c["TPP"] * c["GP"]) == \
-        ("serial", ta.BLOCK_N.bit_length() - 1, ta.WIDE_ROWS)
-    schedule, c = ta._plan(q[:1], pool, None, False)
-    assert (schedule, c["ROWSUM_LEVELS"], c["TPP"] * c["GP"]) == \
-        ("split", ta.BLOCK_N.bit_length() - 1, ta.MIN_ROWS)
+    for form, code in (("tree", 1), ("dot", 2)):
+        monkeypatch.setenv(ta.ROWSUM_ENV, form)
+        schedule, c = ta._plan(q, pool, None, False)
+        assert (schedule, c["ROWSUM"], c["TPP"] * c["GP"]) == ("serial", code, ta.WIDE_ROWS)
+        schedule, c = ta._plan(q[:1], pool, None, False)
+        assert (schedule, c["ROWSUM"], c["TPP"] * c["GP"]) == ("split", code, ta.MIN_ROWS)
     monkeypatch.setenv(ta.ROWSUM_ENV, "halving")
     with pytest.raises(ValueError, match="JENGINE_ATTENTION_ROWSUM='halving'"):
         ta._plan(q, pool, None, False)
 
 
-def test_with_the_tree_row_sum_it_is_still_attention_and_one_algorithm(setup, tree_rowsum):
-    """The experiment keeps the leaf's contract: float64's attention within the same 1e-5, and
+def test_with_a_layout_free_row_sum_it_is_still_attention_and_one_algorithm(setup,
+                                                                             layout_free_rowsum):
+    """Either experiment keeps the leaf's contract: float64's attention within the same 1e-5, and
     the serial and split schedules bit-identical."""
     k, v, tables, seqs, q, lengths = setup
     rows = [(0, p) for p in range(45)] + [(1, p) for p in range(250, 300)] + [(2, 0), (2, 16)]
