@@ -6,6 +6,10 @@ byte and FLOP counts of the Llama-3-8B shape (bf16), decode rows, percentages of
     KV      = batch * context * 32 layers * 2 (K, V) * 8 heads * 128 * 2 bytes
   prefill of n tokens (one request, LM head on the last row only):
     2 * 32 * (projection parameters) * n  +  attention 2 * 2 * n^2/2 * 4096 * 32
+  the Engine workload (R requests x (n in + m out), every request admitted at once): each prompt's
+    prefill at the GEMM peak, then m - 1 decode steps of all R rows at contexts n + 1 .. n + m - 1,
+    each at the larger of its bytes over the HBM bandwidth and its FLOPs over the GEMM peak -- the
+    fastest that work can be done on this GPU, so no scheduler can beat it
 """
 
 from __future__ import annotations
@@ -21,6 +25,29 @@ def decode_bytes(batch: int, context: int, vocab: int) -> float:
 
 def prefill_flops(n: int) -> float:
     return 2 * 32 * LAYER_PARAMS * n + 2 * 2 * (n * n / 2) * 4096 * 32
+
+
+def workload_bound_s(requests: int, n_in: int, n_out: int, vocab: int, bw, peak) -> float | None:
+    """The Engine workload's roofline wall time (module docstring), None without a roofline."""
+    if not (bw and peak and requests and n_in and n_out):
+        return None
+    lm_head = 2 * 4096 * vocab
+    prefill = requests * (prefill_flops(n_in) + lm_head) / (peak * 1e12)
+    decode = 0.0
+    for ctx in range(n_in + 1, n_in + n_out):
+        flops = requests * (2 * 32 * LAYER_PARAMS + lm_head + 2 * 2 * ctx * 4096 * 32)
+        decode += max(decode_bytes(requests, ctx, vocab) / (bw * 1e12), flops / (peak * 1e12))
+    return prefill + decode
+
+
+def workload_bound(r: dict, bw, peak) -> tuple[float, float] | None:
+    """(roofline wall s, the output tok/s it allows) of an Engine result's workload; None off the
+    Llama-3-8B shape or without a roofline."""
+    if r.get("shape", ROOFLINE_SHAPE) != ROOFLINE_SHAPE:
+        return None
+    requests, n_out = r.get("requests"), r.get("output_tokens")
+    s = workload_bound_s(requests, r.get("input_tokens"), n_out, r.get("vocab", 128256), bw, peak)
+    return (s, requests * n_out / s) if s else None
 
 
 def fmt(v, spec=".1f"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from jengine.bench.measures import (LAYER_PARAMS, ROOFLINE_SHAPE, at, by_numerics, decode_rows,
                                     dispatch_ms, fmt, hbm_percent, not_measured, numerics_ratio,
-                                    pipelined_ms, prefill_stats, vs_engine)
+                                    pipelined_ms, prefill_stats, vs_engine, workload_bound)
 from jengine.bench.targets import targets_section
 
 def _stopped(name: str, r: dict) -> list[str]:
@@ -92,7 +92,7 @@ def _latency(r: dict, name: str) -> str:
     return " / ".join(fmt(r.get(f"{name}_{p}_ms"), ".1f") for p in ("p50", "p90", "p99"))
 
 
-def _engine_section(engines: dict) -> list[str]:
+def _engine_section(engines: dict, bw=None, peak=None) -> list[str]:
     if not engines:
         return []
     lines = ["## End to end (Engine, random weights, all requests submitted at once)", ""]
@@ -118,6 +118,12 @@ def _engine_section(engines: dict) -> list[str]:
         ratio = numerics_ratio({n: r["wall_s"] for n, r in done.items()})
         if ratio:
             lines += ["", f"rl-bitwise / auto wall time: {ratio:.2f}"]
+        for n, r in done.items():
+            bound = workload_bound(r, bw, peak)
+            if bound:
+                lines += ["", f"`{n}`: the workload's roofline (measures.workload_bound_s, this "
+                          f"run's roofline): {bound[0]:.2f} s, at most {bound[1]:.0f} output tok/s; "
+                          f"measured {100 * bound[0] / r['wall_s']:.0f} % of it"]
         lines.append("")
     loops = [(n, name, row) for n, r in done.items()
              for name, row in (r.get("loop_overhead") or {}).items()]
@@ -321,7 +327,8 @@ def render(results: dict) -> str:
     lines += _leaves_section(results.get("leaves"), roof.get("hbm_TBps"))
     lines += _model_section(by_numerics(results, "model"), roof.get("hbm_TBps"),
                             roof.get("gemm_TFLOPs"))
-    lines += _engine_section(by_numerics(results, "engine"))
+    lines += _engine_section(by_numerics(results, "engine"), roof.get("hbm_TBps"),
+                             roof.get("gemm_TFLOPs"))
     lines += _server_section(by_numerics(results, "server"), by_numerics(results, "engine"))
     lines += _hf_section(results)
     lines += targets_section(results)

@@ -4,7 +4,8 @@ or not measured and why (a part that did not run or stopped, a row an older benc
 from __future__ import annotations
 
 from jengine.bench.measures import (by_numerics, decode_rows, hbm_percent, not_measured,
-                                    numerics_ratio, pipelined_ms, prefill_stats, status, vs_engine)
+                                    numerics_ratio, pipelined_ms, prefill_stats, status, vs_engine,
+                                    workload_bound)
 
 # Issue #19's goals.
 # (numerics, batch, context, min % of the HBM bound) of a decode step
@@ -79,6 +80,7 @@ def _ratio_targets(models: dict, rows: dict) -> list[tuple[str, str, str]]:
 
 def _loop_targets(results: dict) -> list[tuple[str, str, str]]:
     engines, servers = by_numerics(results, "engine"), by_numerics(results, "server")
+    roof = results.get("roofline") or {}
     out = []
     want = E2E_SPEEDUP_TARGET * E2E_BASELINE_TOK_S
     for name in engines or {"": {}}:
@@ -86,7 +88,11 @@ def _loop_targets(results: dict) -> list[tuple[str, str, str]]:
         target = (f"`{name}` " if name else "") + (
             f"Engine workload >= {E2E_SPEEDUP_TARGET:.0f} x {E2E_BASELINE_TOK_S:.0f} output tok/s")
         tok_s = r.get("output_tok_s")
-        out.append((target, f"{tok_s:.0f} tok/s ({tok_s / E2E_BASELINE_TOK_S:.2f}x)",
+        bound = workload_bound(r, roof.get("hbm_TBps"), roof.get("gemm_TFLOPs")) if r else None
+        # The goal can lie above what this GPU allows: then say so beside the status.
+        ceiling = (f"; the workload's roofline allows {bound[1]:.0f}"
+                   + (" (the goal is above it)" if bound[1] < want else "")) if bound else ""
+        out.append((target, f"{tok_s:.0f} tok/s ({tok_s / E2E_BASELINE_TOK_S:.2f}x{ceiling})",
                     status(tok_s, want, at_least=True, unit=" tok/s")) if tok_s else
                    (target, "-", not_measured(r or None)))
         target = (f"`{name}` " if name else "") + (
