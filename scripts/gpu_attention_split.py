@@ -40,13 +40,13 @@ def widen(case, width):
     return q, k, v, wide, req, pos
 
 
-def split_launch(case, warps, stages, tpp=None, split=None):
+def split_launch(case, warps, stages, tpp=None, block_n=None, split=None):
     """The leaf's split schedule with these launch settings (tpp: tokens per program, the leaf's
-    by default): (run, output). `run` launches the kernel on buffers made once -- its counters
+    by default or at 0; block_n / split: another algorithm, other bits): (run, output). `run` launches the kernel on buffers made once -- its counters
     zeroed once: each launch leaves them zero, as in the engine's step -- so a CUDA graph of it
     times the device."""
     q, k, v, table, req, pos = case
-    c = rows_exp.constexprs(q, k, SPLIT=split or ta.SPLIT)
+    c = rows_exp.constexprs(q, k, SPLIT=split or ta.SPLIT, BLOCK_N=block_n or ta.BLOCK_N)
     c["TPP"] = tpp or c["TPP"]
     tiles = ta.tiles_torch(req, pos, c["TPP"])
     t = q.shape[0]
@@ -69,7 +69,8 @@ def split_launch(case, warps, stages, tpp=None, split=None):
 
 def report(label, cfg, n, us, err) -> None:
     """One progress line of a launch-settings sweep."""
-    print(f"   {label} w{cfg[0]} s{cfg[1]}{' TPP %d' % cfg[2] if len(cfg) > 2 else ''}: differ {n} rows, "
+    extra = "".join(f" {k} {v}" for k, v in zip(("TPP", "BLOCK_N", "SPLIT"), cfg[2:]) if v)
+    print(f"   {label} w{cfg[0]} s{cfg[1]}{extra}: differ {n} rows, "
           f"{'-' if us is None else f'{us:.1f} us'}{'' if err is None else ' ' + err}",
           flush=True)
 
@@ -84,11 +85,11 @@ def measure(launch, case, cfg, ref):
         return None, None, f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
-def serial_launch(case, warps, stages, tpp=None):
+def serial_launch(case, warps, stages, tpp=None, block_n=None, split=None):
     """The leaf's serial schedule (every step of more than SPLIT_MAX_ROWS rows) with these launch
     settings: (run, output), as split_launch."""
     q, k, v, table, req, pos = case
-    c = rows_exp.constexprs(q, k)
+    c = rows_exp.constexprs(q, k, SPLIT=split or ta.SPLIT, BLOCK_N=block_n or ta.BLOCK_N)
     c["TPP"] = tpp or c["TPP"]
     tiles = ta.tiles_torch(req, pos, c["TPP"])
     t = q.shape[0]
@@ -122,6 +123,8 @@ def serial_main(args) -> int:
             n, us, err = measure(serial_launch, case, cfg, ref)
             rows.append({"case": name, "warps": cfg[0], "stages": cfg[1],
                          "tpp": cfg[2] if len(cfg) > 2 else None, "rows_differ": n,
+                         "block_n": cfg[3] if len(cfg) > 3 else None,
+                         "split": cfg[4] if len(cfg) > 4 else None,
                          "us": us, "error": err})
             report(f"{name} serial", cfg, n, us, err)
     with open(os.path.join(args.out, "attention_serial.json"), "w") as f:
@@ -132,7 +135,10 @@ def serial_main(args) -> int:
         for r in rows:
             us = "-" if r["us"] is None else f"{r['us']:.1f}"
             f.write(f"| {r['case']} | {r['warps']} / {r['stages']}"
-                    f"{' / TPP %d' % r['tpp'] if r.get('tpp') else ''} | "
+                    f"{' / TPP %d' % r['tpp'] if r.get('tpp') else ''}"
+                    f"{' / BLOCK_N %d' % r['block_n'] if r.get('block_n') else ''}"
+                    f"{' / SPLIT %d' % r['split'] if r.get('split') and 'vs_serial' not in r else ''}"
+                    f"{' / SPLIT %d' % r['cfg_split'] if r.get('cfg_split') else ''} | "
                     f"{r['rows_differ'] if r['error'] is None else r['error']} | {us} |\n")
     return 0
 
@@ -165,7 +171,9 @@ def main() -> int:
                    help="also time today's launch with these SPLIT sizes: other bits, so for "
                         "--numerics auto only (no contract there); rows differing are reported")
     p.add_argument("--configs", nargs="*", type=lambda c: tuple(int(v) for v in c.split(",")),
-                   help="WARPS,STAGES[,TPP] launches to sweep (default: a fixed set around today's)")
+                   help="WARPS,STAGES[,TPP[,BLOCK_N[,SPLIT]]] launches to sweep (default: a fixed set "
+                        "around today's; TPP 0 is the leaf's; another BLOCK_N or SPLIT is "
+                        "another algorithm, other bits)")
     p.add_argument("--serial", action="store_true",
                    help="the serial schedule's launch settings instead (64 / 256 rows, prefill)")
     p.add_argument("--rowsum", choices=sorted(set(ta.ROWSUM_FORMS) - {""}), default="triton",
@@ -217,6 +225,8 @@ def main() -> int:
             n, us, err = measure(split_launch, case, cfg, ref)
             rows.append(dict(case=name, split_warps=cfg[0], split_stages=cfg[1],
                              tpp=cfg[2] if len(cfg) > 2 else None, rows_differ=n,
+                             block_n=cfg[3] if len(cfg) > 3 else None,
+                             cfg_split=cfg[4] if len(cfg) > 4 else None,
                              us=us, vs_serial=vs_serial, control_rows_differ=control, error=err))
             report("split", cfg, n, us, err)
     with open(os.path.join(args.out, "attention_split.json"), "w") as f:
@@ -228,7 +238,10 @@ def main() -> int:
             us = "-" if r["us"] is None else f"{r['us']:.1f}"
             f.write(f"| {r['case']}{' SPLIT %d' % r['split'] if 'split' in r else ''} | "
                     f"{r['split_warps']} / {r['split_stages']}"
-                    f"{' / TPP %d' % r['tpp'] if r.get('tpp') else ''} | "
+                    f"{' / TPP %d' % r['tpp'] if r.get('tpp') else ''}"
+                    f"{' / BLOCK_N %d' % r['block_n'] if r.get('block_n') else ''}"
+                    f"{' / SPLIT %d' % r['split'] if r.get('split') and 'vs_serial' not in r else ''}"
+                    f"{' / SPLIT %d' % r['cfg_split'] if r.get('cfg_split') else ''} | "
                     f"{r['rows_differ'] if r['error'] is None else r['error']} | "
                     f"{r['vs_serial']} | {us} |\n")
     return 0

@@ -77,7 +77,8 @@
 #   attention_split_<form> / attention_serial_<form>  the decode schedules (split: bs 1 / 16;
 #                  serial: 64 / 256 rows) on that sum, warps / stages swept (µs, rows vs the
 #                  engine's launch and vs the serial leaf); the split steps also time SPLIT 128 / 64
-#   attention_rows_dot_splits  the prefill launches on the dot sum at SPLIT 128 / 64 (ms, error)
+#   attention_rows_dot_splits  the prefill launches on the dot sum at SPLIT 128 / 64, BLOCK_N 64
+#                  (ms, error vs f32); attention_tiles_dot the decode schedules so (µs)
 #   rowsum_ab_<form>  rl-bitwise's model rows (decode bs 1 / 64 / 256, ctx 1024, the 4096-token
 #                  prefill) on that sum (tree / dot: with the wide tile for its prefill steps)
 #   accept_llama_<form>  accept_llama on that sum (tree / dot): the trainer's twin runs whole
@@ -286,8 +287,11 @@ for s in "$@"; do
       step attention_rows_today 200 python3 scripts/gpu_attention_rows.py --configs 4,4,2 4,1,2 8,8,2 16,4,2 32,8,2 16,8,2 --out "$out/attention_rows_today" ;;
     attention_split_tree|attention_split_dot|attention_split_today)  # the decode split schedule (bs 1 / 16) on that row sum, warps / stages swept
       step "$s" 150 python3 scripts/gpu_attention_split.py --rowsum "$(rowsum_of "${s#attention_split_}")" --configs 4,2 4,3 2,2 2,3 1,2 8,2 --splits 128 64 --out "$out/$s" ;;
-    attention_rows_dot_splits)  # the prefill on the dot sum with smaller splits (another definition: ms, error vs f32)
-      step "$s" 200 python3 scripts/gpu_attention_rows.py --rowsum dot --ref 16,4,2 --configs 16,4,2 16,4,2,32,128 16,4,2,32,64 32,8,2 32,8,2,32,128 32,8,2,32,64 4,4,2,32,64 --out "$out/$s" ;;
+    attention_rows_dot_splits)  # the prefill on the dot sum with other KV tiles / splits (another definition: ms, error vs f32)
+      step "$s" 200 python3 scripts/gpu_attention_rows.py --rowsum dot --ref 16,4,2 --configs 16,4,2 16,4,2,32,128 16,4,2,32,64 32,8,2 32,8,2,32,128 16,4,2,64 32,8,2,64 16,8,2,64 4,4,2,64 4,4,2,32,64 --out "$out/$s" ;;
+    attention_tiles_dot)  # the decode schedules on the dot sum with other KV tiles / splits (µs; other bits)
+      step attention_split_dot_tiles 150 python3 scripts/gpu_attention_split.py --rowsum dot --configs 4,2 4,2,0,64 4,3,0,64 8,2,0,64 4,2,0,64,128 4,2,0,32,128 4,2,0,32,64 --out "$out/attention_split_dot_tiles"
+      step attention_serial_dot_tiles 150 python3 scripts/gpu_attention_split.py --serial --rowsum dot --configs 4,2 4,2,0,64 8,2,0,64 4,2,0,32,128 4,2,0,32,64 --out "$out/attention_serial_dot_tiles" ;;
     attention_serial_dot|attention_serial_today)  # the serial schedule's decode rows (64 / 256) on that row sum
       step "$s" 150 python3 scripts/gpu_attention_split.py --serial --rowsum "$(rowsum_of "${s#attention_serial_}")" --configs 4,2 4,3 8,2 2,2 --out "$out/$s" ;;
     attention_one_warp)  # the decode schedules on one warp (ROWS 16 / 1 warp: the bits of ROWS 64 on 4)
