@@ -30,10 +30,11 @@ bit, as do ROWS 16 on 4 and 32 on 8 -- consistent with a row's sum over a KV til
 across the warps that share the row (4 today, 1 in the wide launch). So rl-bitwise could have the
 wide tile too by running every step on one warp per 16 rows, but that decode schedule measured
 1.3-1.8x slower (split kernel at bs 1: 28.5 vs 16.0 us per layer; serial at bs 64: 108 vs 81).
-Or by a row sum whose order no layout can change: `JENGINE_ATTENTION_ROWSUM=tree` (below). On the
-H200 it does make one class (every (ROWS, warps) launch 0 rows differing, trainer alignment MATCH
-with the twin on the wide tile), but its reduction costs the narrow serial launch: decode bs 64
-+10 %, so it stays off (docs/performance.md, eighteenth session).
+Or by a row sum whose order no layout can change: `JENGINE_ATTENTION_ROWSUM=tree` or `dot`
+(below). On the H200 the tree does make one class (every (ROWS, warps) launch 0 rows differing,
+trainer alignment MATCH with the twin on the wide tile), but its reduction costs the narrow serial
+launch: decode bs 64 +10 %, so it stays off (docs/performance.md, eighteenth session). The dot (the
+row sum taken by an MMA) is the nineteenth session's candidate.
 
 These bits are *not* the portable `fixed_order` leaf's (pallas_kernels/attention.py, f32 p . v, one
 max over the whole context): on a GPU the rl-bitwise plan and trainer mode's twin table both pick
@@ -63,12 +64,12 @@ MIN_ROWS = 16  # tl.dot needs >= 16 rows: GQA groups smaller than 16 are packed 
 SPLIT_MAX_ROWS = 32  # steps of at most this many token rows use the split schedule (H200: split
 # wins at 1 and 16 decode rows, serial at 64 and 256; docs/performance.md)
 NUM_WARPS, NUM_STAGES = 4, 2
-# JENGINE_ATTENTION_ROWSUM=tree -- an experiment, off by default, another numerics definition
-# (docs/performance.md, eighteenth session): every launch, the engine's and the trainer twin's
-# alike, sums a row's p over a KV tile with the halving tree (the kernels' ROWSUM_LEVELS) instead
-# of Triton's reduction, whose order follows the (ROWS, warps) layout. That makes a row's bits
-# independent of the layout (H200: attention_rows_tree, accept_llama_tree), so under the switch
-# rl-bitwise's prefill steps take the wide tile too (gpu_run.sh tree_ab). Off: see the docstring.
+# JENGINE_ATTENTION_ROWSUM=tree / dot -- experiments, off by default, another numerics definition
+# each: every launch, the engine's and the trainer twin's alike, sums a row's p over a KV tile with
+# the halving tree or an MMA (the kernels' ROWSUM codes, _row_sum) instead of Triton's reduction,
+# whose order follows the (ROWS, warps) layout. That makes a row's bits independent of the layout
+# (H200, the tree: attention_rows_tree, accept_llama_tree), so under the switch rl-bitwise's
+# prefill steps take the wide tile too (gpu_run.sh rowsum_ab_<form>). Off: see the docstring.
 ROWSUM_ENV = "JENGINE_ATTENTION_ROWSUM"
 # triton_wide_prefill (auto only): query rows per program on steps of >= WIDE_MIN_TOKENS rows. At
 # 256 decode rows the wide tile measured 2x slower (630 vs 306 us per layer: one token per tile).
