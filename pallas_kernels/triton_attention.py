@@ -160,17 +160,18 @@ def _check(q, k_cache, v_cache):
                          f"{q.dtype}")
 
 
-ROWSUM_FORMS = {"": 0, "triton": 0, "tree": 1, "dot": 2}  # the kernels' ROWSUM_* codes
+ROWSUM_FORMS = {"triton": 0, "tree": 1, "dot": 2}  # the kernels' ROWSUM_* codes
+DEFAULT_ROWSUM = "triton"
 
 
 def rowsum_form() -> int:
-    """The row sum JENGINE_ATTENTION_ROWSUM asks for, as the kernels' ROWSUM code: unset, "" or
-    "triton" today's; "tree" or "dot" one whose order no layout reaches. Another value is an
-    error naming the variable and the value."""
-    value = os.environ.get(ROWSUM_ENV, "")
+    """The row sum JENGINE_ATTENTION_ROWSUM asks for, as the kernels' ROWSUM code: unset or ""
+    the default; "tree" or "dot" one whose order no layout reaches. Another value is an error
+    naming the variable and the value."""
+    value = os.environ.get(ROWSUM_ENV) or DEFAULT_ROWSUM
     if value not in ROWSUM_FORMS:
-        raise ValueError(f"{ROWSUM_ENV}={value!r}: expected one of 'triton' (the default), "
-                         f"'tree' or 'dot'")
+        raise ValueError(f"{ROWSUM_ENV}={value!r}: expected one of {sorted(ROWSUM_FORMS)} "
+                         f"(the default: {DEFAULT_ROWSUM!r})")
     return ROWSUM_FORMS[value]
 
 

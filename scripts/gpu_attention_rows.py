@@ -153,7 +153,8 @@ def main() -> int:
                    help="TPP,WARPS,STAGES[,BLOCK_N[,SPLIT]] launches (default: a sweep); another "
                         "BLOCK_N or SPLIT is another algorithm (other bits): for --numerics auto's "
                         "tile, judged by its error against f32 (the table's last column)")
-    p.add_argument("--rowsum", choices=sorted(set(ta.ROWSUM_FORMS) - {""}), default="triton",
+    p.add_argument("--rowsum", choices=sorted(ta.ROWSUM_FORMS),
+                   default=os.environ.get(ta.ROWSUM_ENV) or ta.DEFAULT_ROWSUM,
                    help="every launch's row sum (reference and control too): tree / dot are "
                         "the layout-free experiments")
     args = p.parse_args()

@@ -176,7 +176,8 @@ def main() -> int:
                         "another algorithm, other bits)")
     p.add_argument("--serial", action="store_true",
                    help="the serial schedule's launch settings instead (64 / 256 rows, prefill)")
-    p.add_argument("--rowsum", choices=sorted(set(ta.ROWSUM_FORMS) - {""}), default="triton",
+    p.add_argument("--rowsum", choices=sorted(ta.ROWSUM_FORMS),
+                   default=os.environ.get(ta.ROWSUM_ENV) or ta.DEFAULT_ROWSUM,
                    help="every launch's row sum: tree / dot are the layout-free experiments "
                         "(other bits)")
     args = p.parse_args()

@@ -69,8 +69,8 @@
 #                  8 warps (auto has no bit contract: each launch's error vs f32 is the check; the
 #                  sm_90 compile: ROWS 64 on 8 warps at BLOCK_N 64 / 128 spills nothing, today's
 #                  launch 12 bytes) (run 2026-12-05)
-#   The layout-free row sums (JENGINE_ATTENTION_ROWSUM=tree / dot: another numerics definition
-#   each; <form> below is tree, dot or today, today's Triton sum):
+#   The attention's row sums (JENGINE_ATTENTION_ROWSUM; <form> below is triton, Triton's tl.sum,
+#   or one of the layout-free tree / dot -- another numerics definition each):
 #   attention_rows_<form>  (ROWS, warps) from both of today's bit classes against ROWS 16 w4, every
 #                  launch on that sum -- 0 rows differing makes the wide tile free for rl-bitwise
 #                  (tree, 2026-12-05: one class) -- and ms per layer
@@ -212,10 +212,6 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCAT
 export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 echo "| step | result | wall |" > "$out/summary.md"
 echo "|---|---|---|" >> "$out/summary.md"
-rowsum_of() {  # a step's row-sum suffix as JENGINE_ATTENTION_ROWSUM's value ("today" is the default's)
-  if [ "$1" = today ]; then echo triton; else echo "$1"; fi
-}
-
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   local t0=$SECONDS
@@ -283,17 +279,17 @@ for s in "$@"; do
       step attention_auto_tiles 300 python3 scripts/gpu_attention_rows.py --ref 16,4,2 --configs 16,4,2 16,8,2 16,4,2,64 16,8,2,64 16,8,3,64 16,8,2,128 16,8,2,64,1024 16,8,2,128,1024 32,8,2,64 32,8,2,128 --out "$out/attention_auto_tiles" ;;
     attention_rows_tree|attention_rows_dot)  # a layout-free row sum: one bit class for every (ROWS, warps)? at what cost?
       step "$s" 200 python3 scripts/gpu_attention_rows.py --rowsum "${s#attention_rows_}" --configs 4,4,2 4,1,2 8,8,2 16,4,2 32,8,2 16,8,2 --out "$out/$s" ;;
-    attention_rows_today)  # the same launches on today's sum (the times to compare with)
-      step attention_rows_today 200 python3 scripts/gpu_attention_rows.py --configs 4,4,2 4,1,2 8,8,2 16,4,2 32,8,2 16,8,2 --out "$out/attention_rows_today" ;;
-    attention_split_tree|attention_split_dot|attention_split_today)  # the decode split schedule (bs 1 / 16) on that row sum, warps / stages swept
-      step "$s" 150 python3 scripts/gpu_attention_split.py --rowsum "$(rowsum_of "${s#attention_split_}")" --configs 4,2 4,3 2,2 2,3 1,2 8,2 --splits 128 64 --out "$out/$s" ;;
+    attention_rows_triton)  # the same launches on Triton's sum (the two bit classes; the times to compare with)
+      step attention_rows_triton 200 python3 scripts/gpu_attention_rows.py --rowsum triton --configs 4,4,2 4,1,2 8,8,2 16,4,2 32,8,2 16,8,2 --out "$out/attention_rows_triton" ;;
+    attention_split_tree|attention_split_dot|attention_split_triton)  # the decode split schedule (bs 1 / 16) on that row sum, warps / stages swept
+      step "$s" 150 python3 scripts/gpu_attention_split.py --rowsum "${s#attention_split_}" --configs 4,2 4,3 2,2 2,3 1,2 8,2 --splits 128 64 --out "$out/$s" ;;
     attention_rows_dot_splits)  # the prefill on the dot sum with other KV tiles / splits (another definition: ms, error vs f32)
       step "$s" 200 python3 scripts/gpu_attention_rows.py --rowsum dot --ref 16,4,2 --configs 16,4,2 16,4,2,32,128 16,4,2,32,64 32,8,2 32,8,2,32,128 16,4,2,64 32,8,2,64 16,8,2,64 4,4,2,64 4,4,2,32,64 --out "$out/$s" ;;
     attention_tiles_dot)  # the decode schedules on the dot sum with other KV tiles / splits (µs; other bits)
       step attention_split_dot_tiles 150 python3 scripts/gpu_attention_split.py --rowsum dot --configs 4,2 4,2,0,64 4,3,0,64 8,2,0,64 4,2,0,64,128 4,2,0,32,128 4,2,0,32,64 --out "$out/attention_split_dot_tiles"
       step attention_serial_dot_tiles 150 python3 scripts/gpu_attention_split.py --serial --rowsum dot --configs 4,2 4,2,0,64 8,2,0,64 4,2,0,32,128 4,2,0,32,64 --out "$out/attention_serial_dot_tiles" ;;
-    attention_serial_dot|attention_serial_today)  # the serial schedule's decode rows (64 / 256) on that row sum
-      step "$s" 150 python3 scripts/gpu_attention_split.py --serial --rowsum "$(rowsum_of "${s#attention_serial_}")" --configs 4,2 4,3 8,2 2,2 --out "$out/$s" ;;
+    attention_serial_dot|attention_serial_triton)  # the serial schedule's decode rows (64 / 256) on that row sum
+      step "$s" 150 python3 scripts/gpu_attention_split.py --serial --rowsum "${s#attention_serial_}" --configs 4,2 4,3 8,2 2,2 --out "$out/$s" ;;
     attention_one_warp)  # the decode schedules on one warp (ROWS 16 / 1 warp: the bits of ROWS 64 on 4)
       step attention_split_w1 120 python3 scripts/gpu_attention_split.py --configs 4,2 1,2 1,3 1,4 --out "$out/attention_split_w1"
       step attention_serial_w1 150 python3 scripts/gpu_attention_split.py --serial --configs 4,2 1,2 1,3 1,4 --out "$out/attention_serial_w1" ;;
@@ -360,8 +356,8 @@ for s in "$@"; do
     router_grouped) step router_grouped 300 env JAX_PLATFORMS=cpu python3 scripts/gpu_router_grouped.py --out "$out/router_grouped" ;;
     align_*) step "$s" 150 bash scripts/gpu_align.sh "$out/$s" "${s#align_}" ;;
     accept_qwen3moe|accept_deepseek_v3|accept_longcat) step "$s" 300 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases "${s#accept_}" ;;
-    rowsum_ab_today|rowsum_ab_tree|rowsum_ab_dot)  # rl-bitwise's model rows on that row sum (tree / dot: the wide tile for its prefill steps too)
-      JENGINE_ATTENTION_ROWSUM="$(rowsum_of "${s#rowsum_ab_}")" step "model_rl_rowsum_${s#rowsum_ab_}" 300 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 280 --out "$out/model_rl_rowsum_${s#rowsum_ab_}" ;;
+    rowsum_ab_triton|rowsum_ab_tree|rowsum_ab_dot)  # rl-bitwise's model rows on that row sum (tree / dot: the wide tile for its prefill steps too)
+      JENGINE_ATTENTION_ROWSUM="${s#rowsum_ab_}" step "model_rl_rowsum_${s#rowsum_ab_}" 300 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 280 --out "$out/model_rl_rowsum_${s#rowsum_ab_}" ;;
     accept_llama_tree|accept_llama_dot)  # trainer alignment at production widths on that row sum: the twin runs whole
       # sequences on the wide tile, the engine decodes on the narrow one -- MATCH means the layout no longer reaches the bits
       JENGINE_ATTENTION_ROWSUM="${s#accept_llama_}" step "$s" 420 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases llama ;;
