@@ -77,6 +77,7 @@
 #   attention_split_<form> / attention_serial_<form>  the decode schedules (split: bs 1 / 16;
 #                  serial: 64 / 256 rows) on that sum, warps / stages swept (µs, rows vs the
 #                  engine's launch and vs the serial leaf); the split steps also time SPLIT 128 / 64
+#   attention_split_quick_<form>  the split schedule's engine launch alone on that sum (µs)
 #   attention_rows_dot_splits  the prefill launches on the dot sum at SPLIT 128 / 64, BLOCK_N 64
 #                  (ms, error vs f32); attention_tiles_dot the decode schedules so (µs)
 #   rowsum_ab_<form>  rl-bitwise's model rows (decode bs 1 / 64 / 256, ctx 1024, the 4096-token
@@ -283,6 +284,8 @@ for s in "$@"; do
       step attention_rows_triton 200 python3 scripts/gpu_attention_rows.py --rowsum triton --configs 4,4,2 4,1,2 8,8,2 16,4,2 32,8,2 16,8,2 --out "$out/attention_rows_triton" ;;
     attention_split_tree|attention_split_dot|attention_split_triton)  # the decode split schedule (bs 1 / 16) on that row sum, warps / stages swept
       step "$s" 150 python3 scripts/gpu_attention_split.py --rowsum "${s#attention_split_}" --configs 4,2 4,3 2,2 2,3 1,2 8,2 --splits 128 64 --out "$out/$s" ;;
+    attention_split_quick_dot|attention_split_quick_triton)  # the engine's split launch alone (bs 1 / 16: µs)
+      step "$s" 90 python3 scripts/gpu_attention_split.py --rowsum "${s#attention_split_quick_}" --configs 4,2 --out "$out/$s" ;;
     attention_rows_dot_splits)  # the prefill on the dot sum with other KV tiles / splits (another definition: ms, error vs f32)
       step "$s" 200 python3 scripts/gpu_attention_rows.py --rowsum dot --ref 16,4,2 --configs 16,4,2 16,4,2,32,128 16,4,2,32,64 32,8,2 32,8,2,32,128 16,4,2,64 32,8,2,64 16,8,2,64 4,4,2,64 4,4,2,32,64 --out "$out/$s" ;;
     attention_tiles_dot)  # the decode schedules on the dot sum with other KV tiles / splits (µs; other bits)
