@@ -172,7 +172,8 @@ def test_doc_blocks_run_including_slow_ones(doc, tmp_path):
 NOT_IN_THE_REPO = {"seqs.jsonl", "dump.pt", "dump_stock.pt", "prompts.jsonl", "config.json",
                    "tokenizer.json", "tokenizer_config.json", "generation_config.json",
                    "acceptance.md", "acceptance.json", "summary.md", "gpu_validation.md",
-                   "gpu_validation.json", "in.jsonl", "bench.json", "bench.md"}
+                   "gpu_validation.json", "in.jsonl", "bench.json", "bench.md",
+                   "h200_dot.json"}  # gpu_run.sh goldens_record_dot
 
 
 def test_docs_reference_only_files_in_the_repository():
