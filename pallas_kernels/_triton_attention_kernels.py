@@ -68,10 +68,10 @@ def _row_sum(p, v, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ROWSUM: tl.constex
     is left -- every add is of the same two values in any layout; it costs the narrow serial
     launch its reductions' layout changes. ROWSUM_DOT (an experiment, other bits): the sum of
     p in v's dtype, the p the numerator's p . v uses, taken by the same MMA as p . v (a dot
-    with a ones matrix, whose columns are all the row's sum; their max is that sum exactly). An MMA never
-    splits K across threads or warps, so no layout reaches it either (the H200's p . v and q . k
-    already agree across every (ROWS, warps)), and the weights the output averages with then sum
-    to exactly the l it is divided by."""
+    with a ones matrix, whose columns are all the row's sum; their max is that sum exactly). An
+    MMA never splits K across threads or warps, so no layout reaches it either (the H200's
+    p . v and q . k already agree across every (ROWS, warps)), and the weights the output
+    averages with then sum to exactly the l it is divided by."""
     if ROWSUM == 0:
         total = tl.sum(p, axis=1)
     elif ROWSUM == 1:

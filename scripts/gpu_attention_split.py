@@ -42,9 +42,9 @@ def widen(case, width):
 
 def split_launch(case, warps, stages, tpp=None, block_n=None, split=None):
     """The leaf's split schedule with these launch settings (tpp: tokens per program, the leaf's
-    by default or at 0; block_n / split: another algorithm, other bits): (run, output). `run` launches the kernel on buffers made once -- its counters
-    zeroed once: each launch leaves them zero, as in the engine's step -- so a CUDA graph of it
-    times the device."""
+    by default or at 0; block_n / split: another algorithm, other bits): (run, output). `run`
+    launches the kernel on buffers made once -- its counters zeroed once: each launch leaves them
+    zero, as in the engine's step -- so a CUDA graph of it times the device."""
     q, k, v, table, req, pos = case
     c = rows_exp.constexprs(q, k, SPLIT=split or ta.SPLIT, BLOCK_N=block_n or ta.BLOCK_N)
     c["TPP"] = tpp or c["TPP"]
@@ -65,6 +65,13 @@ def split_launch(case, warps, stages, tpp=None, block_n=None, split=None):
                               num_stages=stages, enable_fp_fusion=False, **c, NSPLIT=nsplit)
     run()
     return run, out
+
+
+def _launch_label(r: dict, split_key: str) -> str:
+    """' / TPP t / BLOCK_N b / SPLIT s' of the settings a table row's launch sets (split_key: the
+    row's key for its config's SPLIT)."""
+    return "".join(f" / {name} {r[key]}" for name, key in
+                   (("TPP", "tpp"), ("BLOCK_N", "block_n"), ("SPLIT", split_key)) if r.get(key))
 
 
 def report(label, cfg, n, us, err) -> None:
@@ -134,11 +141,7 @@ def serial_main(args) -> int:
                 "|---|---|---|---|\n")
         for r in rows:
             us = "-" if r["us"] is None else f"{r['us']:.1f}"
-            f.write(f"| {r['case']} | {r['warps']} / {r['stages']}"
-                    f"{' / TPP %d' % r['tpp'] if r.get('tpp') else ''}"
-                    f"{' / BLOCK_N %d' % r['block_n'] if r.get('block_n') else ''}"
-                    f"{' / SPLIT %d' % r['split'] if r.get('split') and 'vs_serial' not in r else ''}"
-                    f"{' / SPLIT %d' % r['cfg_split'] if r.get('cfg_split') else ''} | "
+            f.write(f"| {r['case']} | {r['warps']} / {r['stages']}{_launch_label(r, 'split')} | "
                     f"{r['rows_differ'] if r['error'] is None else r['error']} | {us} |\n")
     return 0
 
@@ -171,9 +174,9 @@ def main() -> int:
                    help="also time today's launch with these SPLIT sizes: other bits, so for "
                         "--numerics auto only (no contract there); rows differing are reported")
     p.add_argument("--configs", nargs="*", type=lambda c: tuple(int(v) for v in c.split(",")),
-                   help="WARPS,STAGES[,TPP[,BLOCK_N[,SPLIT]]] launches to sweep (default: a fixed set "
-                        "around today's; TPP 0 is the leaf's; another BLOCK_N or SPLIT is "
-                        "another algorithm, other bits)")
+                   help="WARPS,STAGES[,TPP[,BLOCK_N[,SPLIT]]] launches to sweep (default: a "
+                        "fixed set around today's; TPP 0 is the leaf's; another BLOCK_N or SPLIT "
+                        "is another algorithm, other bits)")
     p.add_argument("--serial", action="store_true",
                    help="the serial schedule's launch settings instead (64 / 256 rows, prefill)")
     p.add_argument("--rowsum", choices=sorted(ta.ROWSUM_FORMS),
@@ -238,11 +241,7 @@ def main() -> int:
         for r in rows:
             us = "-" if r["us"] is None else f"{r['us']:.1f}"
             f.write(f"| {r['case']}{' SPLIT %d' % r['split'] if 'split' in r else ''} | "
-                    f"{r['split_warps']} / {r['split_stages']}"
-                    f"{' / TPP %d' % r['tpp'] if r.get('tpp') else ''}"
-                    f"{' / BLOCK_N %d' % r['block_n'] if r.get('block_n') else ''}"
-                    f"{' / SPLIT %d' % r['split'] if r.get('split') and 'vs_serial' not in r else ''}"
-                    f"{' / SPLIT %d' % r['cfg_split'] if r.get('cfg_split') else ''} | "
+                    f"{r['split_warps']} / {r['split_stages']}{_launch_label(r, 'cfg_split')} | "
                     f"{r['rows_differ'] if r['error'] is None else r['error']} | "
                     f"{r['vs_serial']} | {us} |\n")
     return 0
