@@ -22,7 +22,8 @@ naming head_dim, rather than silently giving bits the engine does not produce.
 `--numerics auto` plans a third leaf, `triton_wide_prefill`: the same kernels, but a step of at
 least WIDE_MIN_TOKENS token rows (a prefill chunk) runs the serial schedule on WIDE_ROWS rows per
 program, which reads each KV tile for 4x the query rows (H200, a 4096-token prefill: 1.11 vs 1.82 ms
-per layer; docs/performance.md). It is deterministic but not batch-invariant: ROWS 64 on 4 warps
+per layer; docs/performance.md), in bf16 on KV tiles of WIDE_BLOCK_N positions (another algorithm,
+which auto may run: it has no bit contract). It is deterministic but not batch-invariant: ROWS 64 on 4 warps
 gives a few rows other bits than ROWS 16 on 4 warps (69 of 131,072 in that prefill), so a row's bits
 would depend on its step's size. rl-bitwise never plans it (no batch_invariant feature). Measured on
 the H200 (scripts/gpu_attention_rows.py): ROWS 16 on 1 warp, 64 on 4 and 128 on 8 agree bit for
@@ -73,7 +74,12 @@ NUM_WARPS, NUM_STAGES = 4, 2
 ROWSUM_ENV = "JENGINE_ATTENTION_ROWSUM"
 # triton_wide_prefill (auto only): query rows per program on steps of >= WIDE_MIN_TOKENS rows. At
 # 256 decode rows the wide tile measured 2x slower (630 vs 306 us per layer: one token per tile).
-WIDE_ROWS, WIDE_MIN_TOKENS = 64, 512
+# Auto has no bit contract, so its wide tile also reads KV in tiles of WIDE_BLOCK_N positions: -4
+# to -7 % of its time on the H200 (eighteenth session, attention_auto_tiles: a 4096-token prompt
+# 1.733 -> 1.606 ms per layer, 4 x 1024 1.227 -> 1.183, a 2 x 2048 chunk 1.343 -> 1.272; error vs
+# f32: max equal, mean +1 %). 128 positions, or 8 warps, measured slower. bf16 only: the f32 (IEEE)
+# launch would spill 23 KB per thread at 64 positions (ptxas -v, sm_90; 2 KB at 32).
+WIDE_ROWS, WIDE_MIN_TOKENS, WIDE_BLOCK_N = 64, 512, 64
 
 
 def kernels():
@@ -188,13 +194,26 @@ def wide_tpp(c: dict, num_tokens: int, schedule: str) -> int:
     return c["TPP"]
 
 
+def widened(c: dict, num_tokens: int, schedule: str, auto: bool) -> dict:
+    """The constexprs of a prefill-sized serial step on the wide tile: WIDE_ROWS rows per program,
+    and for auto's own leaf (`auto`) KV tiles of WIDE_BLOCK_N positions. The batch-invariant leaf
+    widens only under a layout-free row sum, and keeps BLOCK_N: the KV tile is part of the
+    numerics definition (kernels' docstring), the rows per program are not. (f32 keeps BLOCK_N
+    in auto too: see WIDE_BLOCK_N.)"""
+    tpp = wide_tpp(c, num_tokens, schedule)
+    if tpp == c["TPP"]:
+        return c
+    own_kv_tile = auto and not c["IEEE"]
+    return dict(c, TPP=tpp, BLOCK_N=WIDE_BLOCK_N if own_kv_tile else c["BLOCK_N"])
+
+
 def _plan(q, k_cache, schedule: str | None, wide: bool) -> tuple[str, dict]:
     """(schedule, constexprs) of a step of q.shape[0] token rows: both hosts launch from this."""
     t = q.shape[0]
     c = _constexprs(q, k_cache)
     schedule = schedule or schedule_for(t)
     if wide or c["ROWSUM"]:  # under a layout-free row sum, every leaf's prefill is wide
-        c["TPP"] = wide_tpp(c, t, schedule)
+        c = widened(c, t, schedule, auto=wide)
     return schedule, c
 
 

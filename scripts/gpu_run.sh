@@ -65,7 +65,8 @@
 #   profile_auto_unmerged  profile_bs1 and profile_prefill of auto with the merger off
 #   profile_bs1_rl_epilogues  profile_bs1_rl with them (kernels per layer, device ms)
 #   attention_auto_tiles  --numerics auto's prefill attention (triton_wide_prefill: ROWS 64 w4 s2,
-#                  BLOCK_N 32, SPLIT 256 today, ~29-68 TFLOP/s) on wider KV tiles / fewer splits /
+#                  BLOCK_N 32, SPLIT 256 then, ~29-68 TFLOP/s; BLOCK_N 64 since the twentieth
+#                  session, from this step's result) on wider KV tiles / fewer splits /
 #                  8 warps (auto has no bit contract: each launch's error vs f32 is the check; the
 #                  sm_90 compile: ROWS 64 on 8 warps at BLOCK_N 64 / 128 spills nothing, today's
 #                  launch 12 bytes) (run 2026-12-05)

@@ -158,10 +158,10 @@ def attention_kernels():
             label = f"attention hq={hq} hkv={hkv} D={d} {dtype}"
             yield (label + " serial", K.attention_serial_kernel,
                    dict(inputs, out_ptr=f"*{dtype}"), c, launch)
-            wide = ta.wide_tpp(c, ta.WIDE_MIN_TOKENS, "serial")
-            if wide != c["TPP"]:  # --numerics auto's prefill tile (triton_wide_prefill)
-                yield (label + f" serial wide TPP={wide}", K.attention_serial_kernel,
-                       dict(inputs, out_ptr=f"*{dtype}"), dict(c, TPP=wide), launch)
+            wide = ta.widened(c, ta.WIDE_MIN_TOKENS, "serial", auto=True)
+            if wide is not c:  # --numerics auto's prefill tile (triton_wide_prefill)
+                yield (label + f" serial wide TPP={wide['TPP']} BLOCK_N={wide['BLOCK_N']}",
+                       K.attention_serial_kernel, dict(inputs, out_ptr=f"*{dtype}"), wide, launch)
             parts = {"sem_in_ptr": "*i32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
                      "part_acc_ptr": "*fp32", "out_ptr": f"*{dtype}", "sem_ptr": "*i32"}
             yield (label + " split", K.attention_split_kernel, dict(inputs, **parts),

@@ -223,12 +223,46 @@ def test_auto_wide_tile_computes_every_row_of_a_prefill_step(setup, monkeypatch)
     c = ta._constexprs(_q(q, rows), k)
     assert (ta.wide_tpp(c, len(rows), "serial"), c["TPP"]) == (ta.WIDE_ROWS // c["GP"], 8)
     assert ta.wide_tpp(c, 39, "serial") == ta.wide_tpp(c, len(rows), "split") == c["TPP"]
+    assert ta.widened(c, len(rows), "serial", auto=True)["BLOCK_N"] == (
+        ta.BLOCK_N if c["IEEE"] else ta.WIDE_BLOCK_N)
     req = torch.tensor([r for r, _ in rows], dtype=torch.int32)
     pos = torch.tensor([p for _, p in rows], dtype=torch.int32)
     wide = ta.paged_attention_triton_wide_torch(_q(q, rows), (k, v), tables, req, pos,
                                                 scale=SCALE).numpy()
     for i, (r, p) in enumerate(rows):
         np.testing.assert_allclose(wide[i], _reference(q[r][p], *seqs[r], p), atol=1e-5, rtol=0)
+
+
+def test_auto_wide_tile_in_bf16_reads_kv_in_its_own_tiles(setup, monkeypatch):
+    """In bf16 auto's wide tile also takes its own KV tile (WIDE_BLOCK_N, another algorithm than
+    the f32 case above runs): every row is still attention over exactly its own positions (rows
+    on both sides of the first split boundary, at 256). The reference is float64 over the same
+    bf16-rounded q / k / v, so what is left is the kernel's bf16 (p rounded for p . v, the output
+    rounded once): under the interpreter the largest error is 0.011 with either KV tile (32 or
+    64 positions; |o| <= 1.61), so 3e-2 absolute, still below what a row given wrong tiles is off
+    by (the control below fails it)."""
+    k, v, tables, seqs, q, lengths = setup
+    monkeypatch.setattr(ta, "WIDE_MIN_TOKENS", 40)
+    rows = [(0, 44), (2, 3)] + [(1, p) for p in range(230, 290)]
+    kb, vb, qb = k.to(torch.bfloat16), v.to(torch.bfloat16), _q(q, rows).to(torch.bfloat16)
+    c = ta._constexprs(qb, kb)
+    assert ta.widened(c, len(rows), "serial", auto=True)["BLOCK_N"] == ta.WIDE_BLOCK_N
+    req = torch.tensor([r for r, _ in rows], dtype=torch.int32)
+    pos = torch.tensor([p for _, p in rows], dtype=torch.int32)
+    wide = ta.paged_attention_triton_wide_torch(qb, (kb, vb), tables, req, pos, scale=SCALE)
+    wide = wide.float().numpy()
+    as_bf16 = [tuple(torch.from_numpy(a).to(torch.bfloat16).float().numpy() for a in seq)
+               for seq in seqs]
+    for i, (r, p) in enumerate(rows):
+        ref = _reference(qb[i].float().numpy(), *as_bf16[r], p)
+        np.testing.assert_allclose(wide[i], ref, atol=3e-2, rtol=0)
+
+
+def test_negative_control_the_bf16_wide_check_fails_on_wrong_tiles(setup, monkeypatch):
+    real = ta.tiles_torch
+    monkeypatch.setattr(ta, "tiles_torch", lambda req, pos, tpp: real(req, pos, 2 * tpp))
+    with pytest.raises(AssertionError):
+        test_auto_wide_tile_in_bf16_reads_kv_in_its_own_tiles(setup, monkeypatch)
 
 
 def test_negative_control_tiles_the_kernel_does_not_expect_fail_the_wide_check(setup, monkeypatch):
@@ -322,19 +356,26 @@ def layout_free_rowsum(request, monkeypatch):
 
 def test_the_rowsum_switch_plans_the_form_and_the_wide_prefill_tile(monkeypatch):
     """JENGINE_ATTENTION_ROWSUM: unset, every launch sums Triton's way and only auto's leaf widens
-    a prefill; "tree" or "dot", every launch (engine and twin: one _plan) takes that form and the
-    batch-invariant leaf's prefill steps the wide tile too, while decode steps keep theirs. Another
-    value is refused, naming the variable and the value."""
+    a prefill (its rows and its KV tile); "tree" or "dot", every launch (engine and twin: one
+    _plan) takes that form and the batch-invariant leaf's prefill steps the wide rows too, on the
+    definition's KV tile, while decode steps keep theirs. Another value is refused, naming the
+    variable and the value."""
     q = torch.zeros((512, 32, 128), dtype=torch.bfloat16)
     pool = torch.zeros((8, 16, 8, 128), dtype=torch.bfloat16)
     monkeypatch.delenv(ta.ROWSUM_ENV, raising=False)
     schedule, c = ta._plan(q, pool, None, False)
-    assert (schedule, c["ROWSUM"], c["TPP"] * c["GP"]) == ("serial", 0, ta.MIN_ROWS)
-    assert ta._plan(q, pool, None, True)[1]["TPP"] * c["GP"] == ta.WIDE_ROWS
+    assert (schedule, c["ROWSUM"], c["TPP"] * c["GP"], c["BLOCK_N"]) == ("serial", 0, ta.MIN_ROWS,
+                                                                        ta.BLOCK_N)
+    auto = ta._plan(q, pool, None, True)[1]  # auto's leaf: its own rows and KV tile
+    assert (auto["TPP"] * auto["GP"], auto["BLOCK_N"]) == (ta.WIDE_ROWS, ta.WIDE_BLOCK_N)
+    auto = ta._plan(q[:1], pool, None, True)[1]  # ... on prefill-sized steps only
+    assert (auto["TPP"] * auto["GP"], auto["BLOCK_N"]) == (ta.MIN_ROWS, ta.BLOCK_N)
     for form, code in (("tree", 1), ("dot", 2)):
         monkeypatch.setenv(ta.ROWSUM_ENV, form)
-        schedule, c = ta._plan(q, pool, None, False)
-        assert (schedule, c["ROWSUM"], c["TPP"] * c["GP"]) == ("serial", code, ta.WIDE_ROWS)
+        schedule, c = ta._plan(q, pool, None, False)  # wide rows, the definition's KV tile
+        assert (schedule, c["ROWSUM"], c["TPP"] * c["GP"], c["BLOCK_N"]) == (
+            "serial", code, ta.WIDE_ROWS, ta.BLOCK_N)
+        assert ta._plan(q, pool, None, True)[1]["BLOCK_N"] == ta.WIDE_BLOCK_N
         schedule, c = ta._plan(q[:1], pool, None, False)
         assert (schedule, c["ROWSUM"], c["TPP"] * c["GP"]) == ("split", code, ta.MIN_ROWS)
     monkeypatch.setenv(ta.ROWSUM_ENV, "halving")
