@@ -95,18 +95,35 @@ def _row_sum(p, v, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ROWSUM: tl.constex
 def _split_state(q, row_pos, max_pos, req, split, bt_ptr, k_ptr, v_ptr, page_size, table_width,
                  scale, h, HKV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-                 ROWSUM: tl.constexpr):
-    """Online softmax over the KV tiles of one split, for every row. Returns (m, l, acc)."""
+                 ROWSUM: tl.constexpr, PAGES: tl.constexpr):
+    """Online softmax over the KV tiles of one split, for every row. Returns (m, l, acc).
+
+    Where a tile's K/V rows are: PAGES 0 (every launch today) loads each tile's page ids inside
+    the tile loop, so its K/V copies wait on a load issued in the same iteration and Triton's
+    pipeliner cannot run them ahead of the compute (sm_90 TTGIR: every iteration begins by
+    waiting for all its copies). PAGES > 0 (an experiment, JENGINE_ATTENTION_PAGES=split): the
+    split's PAGES page ids (a power of two covering the pages a split spans) in one load before
+    the loop, each tile's taken from them with tl.gather; with 3 stages the copies of tile i + 1
+    are then in flight while tile i computes. Only where the addresses come from changes: the
+    same K/V values enter the same arithmetic (the same bits)."""
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     l = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, D), tl.float32)
     d = tl.arange(0, D)
     lo = split * SPLIT
     hi = tl.minimum(lo + SPLIT, max_pos + 1)
+    if PAGES > 0:
+        first = lo // page_size
+        sp = first + tl.arange(0, PAGES)
+        split_pages = tl.load(bt_ptr + req * table_width + sp,
+                              mask=(sp < table_width) & (sp * page_size <= max_pos), other=0)
     for start in range(lo, hi, BLOCK_N):
         c = start + tl.arange(0, BLOCK_N)
         in_tile = c <= max_pos  # positions some row of the tile may read
-        page = tl.load(bt_ptr + req * table_width + c // page_size, mask=in_tile, other=0)
+        if PAGES > 0:
+            page = tl.gather(split_pages, c // page_size - first, 0)
+        else:
+            page = tl.load(bt_ptr + req * table_width + c // page_size, mask=in_tile, other=0)
         slot = c % page_size
         kv_off = ((page.to(tl.int64) * page_size + slot) * HKV + h) * D
         k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=in_tile[:, None], other=0.0)
@@ -202,7 +219,7 @@ def attention_serial_kernel(
     out_ptr,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, TPP: tl.constexpr,
     D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-    ROWSUM: tl.constexpr,
+    ROWSUM: tl.constexpr, PAGES: tl.constexpr,
 ):
     """Grid (tiles, HKV): every split of a tile's rows in one program, merged in order."""
     tile = tl.program_id(0)
@@ -218,7 +235,7 @@ def attention_serial_kernel(
         for split in range(0, max_pos // SPLIT + 1):
             m, l, acc = _split_state(q, row_pos, max_pos, req, split, bt_ptr, k_ptr, v_ptr,
                                      page_size, table_width, scale, h, HKV, D,
-                                     ROWS, BLOCK_N, SPLIT, IEEE, ROWSUM)
+                                     ROWS, BLOCK_N, SPLIT, IEEE, ROWSUM, PAGES)
             big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc,
                                            split * SPLIT <= row_pos)
         _store_out(out_ptr, big_l, big_acc, g, ok, tok, h, HQ, G, D)
@@ -230,7 +247,7 @@ def attention_split_kernel(
     sem_in_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, sem_ptr,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, TPP: tl.constexpr,
     D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-    ROWSUM: tl.constexpr, NSPLIT: tl.constexpr,
+    ROWSUM: tl.constexpr, PAGES: tl.constexpr, NSPLIT: tl.constexpr,
 ):
     """Grid (tiles, HKV, NSPLIT): one split of one tile per program, its state stored to the
     partials [tile, h, split, row]; sem_ptr: one int32 counter per (tile, h) (last_to_arrive;
@@ -249,7 +266,7 @@ def attention_split_kernel(
             ROWS: tl.constexpr = TPP * GP
             m, l, acc = _split_state(q, row_pos, max_pos, req, split, bt_ptr, k_ptr, v_ptr,
                                      page_size, table_width, scale, h, HKV, D,
-                                     ROWS, BLOCK_N, SPLIT, IEEE, ROWSUM)
+                                     ROWS, BLOCK_N, SPLIT, IEEE, ROWSUM, PAGES)
             base0 = (tile.to(tl.int64) * HKV + h) * NSPLIT * ROWS
             _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0 + split * ROWS, m, l,
                             acc, ROWS, D)

@@ -37,6 +37,13 @@ trainer alignment MATCH with the twin on the wide tile), but its reduction costs
 launch: decode bs 64 +10 %, so it stays off (docs/performance.md, eighteenth session). The dot (the
 row sum taken by an MMA) is the nineteenth session's candidate.
 
+Where the K/V rows come from is not part of the algorithm: `JENGINE_ATTENTION_PAGES=split` (an
+experiment, off) loads each split's page ids once instead of each tile's inside the tile loop, so
+Triton's pipeliner can issue a tile's K/V copies while the previous tile computes (today's loop
+waits for every copy at the top of every iteration: the kernels' `_split_state`). Every launch's
+sm_90 PTX keeps the same float instructions in the same order (scripts/triton_aot_check.py
+--same-float-ops, in CI) and the interpreter gives the same bits; the H200 has not timed it yet.
+
 These bits are *not* the portable `fixed_order` leaf's (pallas_kernels/attention.py, f32 p . v, one
 max over the whole context): on a GPU the rl-bitwise plan and trainer mode's twin table both pick
 this leaf, so engine and trainer move together. It is also registered above `xla_native` so that
@@ -72,6 +79,13 @@ NUM_WARPS, NUM_STAGES = 4, 2
 # (H200, the tree: attention_rows_tree, accept_llama_tree), so under the switch rl-bitwise's
 # prefill steps take the wide tile too (gpu_run.sh rowsum_ab_<form>). Off: see the docstring.
 ROWSUM_ENV = "JENGINE_ATTENTION_ROWSUM"
+# JENGINE_ATTENTION_PAGES=split -- an experiment, off by default, the same bits: each split's page
+# ids loaded once and every tile's K/V copies issued a tile ahead, on PAGES_STAGES pipeline stages
+# (the kernels' _split_state says why today's loop cannot overlap them). Only where the addresses
+# come from changes, so a launch gives the same bits either way (tests/test_triton_attention.py
+# under the interpreter; gpu_run.sh pages_ab times it and goldens_check_pages checks the H200's).
+PAGES_ENV, PAGES_STAGES = "JENGINE_ATTENTION_PAGES", 3
+PAGES_FORMS = ("tile", "split")
 # triton_wide_prefill (auto only): query rows per program on steps of >= WIDE_MIN_TOKENS rows. At
 # 256 decode rows the wide tile measured 2x slower (630 vs 306 us per layer: one token per tile).
 # Auto has no bit contract, so its wide tile also reads KV in tiles of WIDE_BLOCK_N positions: -4
@@ -181,10 +195,37 @@ def rowsum_form() -> int:
     return ROWSUM_FORMS[value]
 
 
+def pages_form() -> str:
+    """Where the tiles' page ids come from, as JENGINE_ATTENTION_PAGES asks: unset or "" "tile"
+    (today), "split" the experiment. Another value is an error naming the variable and value."""
+    value = os.environ.get(PAGES_ENV) or PAGES_FORMS[0]
+    if value not in PAGES_FORMS:
+        raise ValueError(f"{PAGES_ENV}={value!r}: expected one of {list(PAGES_FORMS)} "
+                         f"(the default: {PAGES_FORMS[0]!r})")
+    return value
+
+
+def pages_per_split(page_size: int, split: int = SPLIT) -> int:
+    """PAGES of the "split" form: a power of two >= the pages any split of `split` positions
+    spans (splits start at multiples of `split`; a page of page_size positions)."""
+    if split % page_size == 0 or page_size % split == 0:
+        spanned = max(split // page_size, 1)
+    else:  # a split may start inside a page and end inside another
+        spanned = (split - 1) // page_size + 2
+    return next_pow2(spanned)
+
+
 def _constexprs(q, k_cache) -> dict:
     geo = geometry(q.shape[1], k_cache.shape[2], q.shape[2])
+    pages = pages_per_split(k_cache.shape[1]) if pages_form() == "split" else 0
     return dict(geo, BLOCK_N=BLOCK_N, SPLIT=SPLIT, IEEE=dtype_name(q.dtype) == "f32",
-                ROWSUM=rowsum_form())
+                ROWSUM=rowsum_form(), PAGES=pages)
+
+
+def launch_options(c: dict) -> dict:
+    """num_warps / num_stages / fp fusion of a launch with constexprs c (both hosts)."""
+    stages = PAGES_STAGES if c["PAGES"] else NUM_STAGES
+    return dict(num_warps=NUM_WARPS, num_stages=stages, enable_fp_fusion=False)
 
 
 def wide_tpp(c: dict, num_tokens: int, schedule: str) -> int:
@@ -231,7 +272,7 @@ def paged_attention_triton(q, kv, block_tables, token_req, positions, *, scale,
     inputs = (q, k_cache, v_cache, block_tables.astype(jnp.int32), positions, tiles, t, page_size,
               width, np.float32(scale))
     out = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    launch = dict(num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False)
+    launch = launch_options(c)
     k = kernels()
     if schedule == "serial":
         return jax_launch(k.attention_serial_kernel, inputs, out, (t, c["HKV"]), **launch, **c)
@@ -292,7 +333,7 @@ def paged_attention_triton_torch(q, kv, block_tables, token_req, positions, *, s
     out = torch.empty_like(q)
     if t == 0:
         return out
-    launch = dict(num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False)
+    launch = launch_options(c)
     k = kernels()
     if schedule == "serial":
         torch_launch(k.attention_serial_kernel, inputs, (out,), (t, c["HKV"]), **launch, **c)

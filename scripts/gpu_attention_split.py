@@ -40,14 +40,25 @@ def widen(case, width):
     return q, k, v, wide, req, pos
 
 
-def split_launch(case, warps, stages, tpp=None, block_n=None, split=None):
-    """The leaf's split schedule with these launch settings (tpp: tokens per program, the leaf's
-    by default or at 0; block_n / split: another algorithm, other bits): (run, output). `run`
-    launches the kernel on buffers made once -- its counters zeroed once: each launch leaves them
-    zero, as in the engine's step -- so a CUDA graph of it times the device."""
-    q, k, v, table, req, pos = case
+def _launch_constexprs(q, k, tpp, block_n, split, pages):
+    """The leaf's constexprs with a config's TPP / BLOCK_N / SPLIT (None or 0: the leaf's) and, where
+    `pages` is not None, that PAGES (0: page ids per tile, today; triton_attention.pages_per_split:
+    per split, the experiment)."""
     c = rows_exp.constexprs(q, k, SPLIT=split or ta.SPLIT, BLOCK_N=block_n or ta.BLOCK_N)
     c["TPP"] = tpp or c["TPP"]
+    if pages is not None:
+        c["PAGES"] = pages
+    return c
+
+
+def split_launch(case, warps, stages, tpp=None, block_n=None, split=None, pages=None):
+    """The leaf's split schedule with these launch settings (tpp: tokens per program, the leaf's
+    by default or at 0; block_n / split: another algorithm, other bits; pages: see
+    _launch_constexprs): (run, output). `run` launches the kernel on buffers made once -- its
+    counters zeroed once: each launch leaves them zero, as in the engine's step -- so a CUDA graph
+    of it times the device."""
+    q, k, v, table, req, pos = case
+    c = _launch_constexprs(q, k, tpp, block_n, split, pages)
     tiles = ta.tiles_torch(req, pos, c["TPP"])
     t = q.shape[0]
     nsplit = ta.cdiv(rows_exp.PAGE * table.shape[1], c["SPLIT"])
@@ -92,12 +103,11 @@ def measure(launch, case, cfg, ref):
         return None, None, f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
-def serial_launch(case, warps, stages, tpp=None, block_n=None, split=None):
+def serial_launch(case, warps, stages, tpp=None, block_n=None, split=None, pages=None):
     """The leaf's serial schedule (every step of more than SPLIT_MAX_ROWS rows) with these launch
     settings: (run, output), as split_launch."""
     q, k, v, table, req, pos = case
-    c = rows_exp.constexprs(q, k, SPLIT=split or ta.SPLIT, BLOCK_N=block_n or ta.BLOCK_N)
-    c["TPP"] = tpp or c["TPP"]
+    c = _launch_constexprs(q, k, tpp, block_n, split, pages)
     tiles = ta.tiles_torch(req, pos, c["TPP"])
     t = q.shape[0]
     inputs = (q, k, v, table, pos, tiles, t, rows_exp.PAGE, table.shape[1], rows_exp.D ** -0.5)
@@ -108,6 +118,49 @@ def serial_launch(case, warps, stages, tpp=None, block_n=None, split=None):
                               num_warps=warps, num_stages=stages, enable_fp_fusion=False, **c)
     run()
     return run, out
+
+
+def pages_ab(args, launch, cases, configs, name: str) -> int:
+    """--pages-ab: every config launched twice on the same buffers' values, with the page ids
+    loaded per tile (PAGES 0, today) and per split (the JENGINE_ATTENTION_PAGES=split experiment):
+    rows differing between the two -- 0 expected, only the addresses' source changes -- and the
+    device µs of each. The control (SPLIT 128) must differ, so the comparison can fail."""
+    rows = []
+    for case_name, case in cases.items():
+        pages = ta.pages_per_split(rows_exp.PAGE)
+        for cfg in configs:
+            try:
+                run0, out0 = launch(case, *cfg, pages=0)
+                us0 = device_us(run0)
+                run1, out1 = launch(case, *cfg, pages=pages)
+                us1, n, err = device_us(run1), rows_exp.rows_differ(out0, out1), None
+                tpp, block_n = (list(cfg[2:4]) + [None, None])[:2]
+                control = rows_exp.rows_differ(out0, launch(case, cfg[0], cfg[1], tpp, block_n,
+                                                            128, pages=pages)[1])
+            except Exception as exc:  # noqa: BLE001 -- a config that does not compile is a result
+                us0 = us1 = n = control = None
+                err = f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows.append(dict(case=case_name, warps=cfg[0], stages=cfg[1],
+                             tpp=cfg[2] if len(cfg) > 2 else None,
+                             block_n=cfg[3] if len(cfg) > 3 else None, pages=pages,
+                             rows_differ=n, control_rows_differ=control, us_tile=us0,
+                             us_split=us1, error=err))
+            r = rows[-1]
+            print(f"   {case_name} w{cfg[0]} s{cfg[1]}{_launch_label(r, 'none')}: page ids per "
+                  f"split vs per tile differ in {n} rows (control {control}); "
+                  f"{'-' if us0 is None else f'{us0:.1f} -> {us1:.1f} us'}"
+                  f"{'' if err is None else ' ' + err}", flush=True)
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
+        f.write("| case | warps / stages | rows differing, per split vs per tile (control) | "
+                "µs per layer, per tile -> per split |\n|---|---|---|---|\n")
+        for r in rows:
+            us = "-" if r["us_tile"] is None else f"{r['us_tile']:.1f} -> {r['us_split']:.1f}"
+            f.write(f"| {r['case']} | {r['warps']} / {r['stages']}{_launch_label(r, 'none')} | "
+                    f"{r['rows_differ'] if r['error'] is None else r['error']} "
+                    f"({r['control_rows_differ']}) | {us} |\n")
+    return 0
 
 
 def serial_main(args) -> int:
@@ -122,9 +175,11 @@ def serial_main(args) -> int:
     }
     configs = [TODAY, (4, 3)] if args.smoke else [TODAY, (4, 3), (4, 4), (8, 2), (8, 3), (2, 2)]
     configs = args.configs or configs
+    cases = {name: widen(case, 40 if args.smoke else ENGINE_WIDTH) for name, case in cases.items()}
+    if args.pages_ab:
+        return pages_ab(args, serial_launch, cases, configs, "attention_serial_pages")
     rows = []
     for name, case in cases.items():
-        case = widen(case, 40 if args.smoke else ENGINE_WIDTH)
         ref = serial_launch(case, *TODAY)[1]
         for cfg in configs:
             n, us, err = measure(serial_launch, case, cfg, ref)
@@ -179,6 +234,9 @@ def main() -> int:
                         "is another algorithm, other bits)")
     p.add_argument("--serial", action="store_true",
                    help="the serial schedule's launch settings instead (64 / 256 rows, prefill)")
+    p.add_argument("--pages-ab", action="store_true",
+                   help="each config with the page ids per tile (today) and per split "
+                        "(JENGINE_ATTENTION_PAGES=split): rows differing (0 expected) and µs")
     p.add_argument("--rowsum", choices=sorted(ta.ROWSUM_FORMS),
                    default=os.environ.get(ta.ROWSUM_ENV) or ta.DEFAULT_ROWSUM,
                    help="every launch's row sum: tree / dot are the layout-free experiments "
@@ -206,6 +264,9 @@ def main() -> int:
     configs = [TODAY, (4, 3)] if args.smoke else [
         TODAY, (4, 3), (4, 4), (2, 2), (2, 3), (8, 2)]
     configs = args.configs or configs
+    if args.pages_ab:
+        return pages_ab(args, split_launch, {n: widen(c, width) for n, c in cases.items()},
+                        configs, "attention_split_pages")
     rows = []
     for name, case in cases.items():
         case = widen(case, width)

@@ -1,6 +1,8 @@
 """Compile the Triton GEMM, attention and MLA attention kernels for sm_90 (H200) on a machine without a GPU.
 
     python scripts/triton_aot_check.py [LABEL_PREFIX]
+    python scripts/triton_aot_check.py --same-float-ops
+
 
 Triton's compiler and ptxas run on any Linux x86_64 host, so a kernel that does not compile for the
 H200 (an unsupported construct, a type mismatch between selected pointers) fails here, in CI, and
@@ -11,6 +13,7 @@ scripts/gpu_validate.py, jengine bench). Prints one line per kernel; exits 1 on 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 
@@ -151,7 +154,7 @@ def attention_kernels():
         for dtype in ("bf16", "fp32"):
             geo = ta.geometry(hq, hkv, d)
             c = dict(geo, BLOCK_N=ta.BLOCK_N, SPLIT=ta.SPLIT, IEEE=dtype == "fp32",
-                     ROWSUM=0)
+                     ROWSUM=0, PAGES=0)
             inputs = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
                       "bt_ptr": "*i32", "pos_ptr": "*i32", "tiles_ptr": "*i32", "num_tiles": "i32",
                       "page_size": "i32", "table_width": "i32", "scale": "fp32"}
@@ -166,6 +169,17 @@ def attention_kernels():
                      "part_acc_ptr": "*fp32", "out_ptr": f"*{dtype}", "sem_ptr": "*i32"}
             yield (label + " split", K.attention_split_kernel, dict(inputs, **parts),
                    dict(c, NSPLIT=8), launch)
+            # the page ids per split (JENGINE_ATTENTION_PAGES=split, 16-position pages), on the
+            # stages it launches with: every launch the leaf makes
+            pages = dict(c, PAGES=ta.pages_per_split(16))
+            paged = (ta.NUM_WARPS, ta.PAGES_STAGES, False)
+            yield (label + " serial pages", K.attention_serial_kernel,
+                   dict(inputs, out_ptr=f"*{dtype}"), pages, paged)
+            if wide is not c:
+                yield (label + " serial wide pages", K.attention_serial_kernel,
+                       dict(inputs, out_ptr=f"*{dtype}"), dict(wide, PAGES=pages["PAGES"]), paged)
+            yield (label + " split pages", K.attention_split_kernel, dict(inputs, **parts),
+                   dict(pages, NSPLIT=8), paged)
             if hq == 32:  # the layout-free row sums (JENGINE_ATTENTION_ROWSUM=tree / dot, gpu_run.sh
                 # attention_rows_<form> / attention_split_<form>) at what they launch
                 for form, code in (("tree", 1), ("dot", 2)):
@@ -211,6 +225,39 @@ def mla_attention_kernels():
                dict(tm._combine_constexprs(c), HB=hb, NSPLIT=8), launch)
 
 
+# A float instruction of the PTX (predicated or not): its opcode with its types and rounding.
+_FLOAT_OP = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:w?gmma|mma)[\w.]*|(?:fma|add|sub|mul|div|max|min|"
+                       r"ex2|lg2|rcp|sqrt|neg|abs|cvt|selp|setp)[\w.]*f(?:16|32|64)[\w.]*)")
+
+
+def float_ops(ptx: str) -> list[str]:
+    """The float instructions of a kernel's PTX, in order, opcodes only (operands are register
+    names the compiler picks). Two launches with the same list run the same arithmetic in the
+    same order; a change to where operands are loaded from shows up nowhere in it."""
+    return [m.group(1) for m in map(_FLOAT_OP.match, ptx.splitlines()) if m]
+
+
+def same_float_ops() -> int:
+    """--same-float-ops: the attention launches with the page ids per split
+    (JENGINE_ATTENTION_PAGES=split) against the same launches today: the same float instructions
+    in the same order (only the K/V addresses' source and the pipelining differ)."""
+    launches = {label: rest for label, *rest in attention_kernels()}
+    failures = 0
+    for label, (fn, args, consts, options) in launches.items():
+        if not label.endswith(" pages"):
+            continue
+        base = label[:-len(" pages")]
+        if base.endswith(" wide"):
+            base = next(other for other in launches if other.startswith(base + " TPP="))
+        ops = [float_ops(_compile(f, a, c, *o).asm["ptx"])
+               for f, a, c, o in (launches[base], (fn, args, consts, options))]
+        same = ops[0] == ops[1]
+        failures += not same
+        print(f"{'same' if same else 'DIFF'}  {label} vs {base}: {len(ops[0])} / {len(ops[1])} "
+              "float instructions")
+    return 1 if failures else 0
+
+
 def main(only: str = "") -> int:
     """only: compile just the launches whose label starts with it (e.g. "mla")."""
     failures = 0
@@ -231,4 +278,6 @@ def main(only: str = "") -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--same-float-ops"]:
+        sys.exit(same_float_ops())
     sys.exit(main(*sys.argv[1:2]))

@@ -1,5 +1,6 @@
 """The GEMM (every tile and by_m launch shape), attention (auto's wide prefill tile too), rope_write
-and MLA attention kernels compile for the H200 (sm_90), checked on the CPU by Triton's own compiler.
+and MLA attention kernels compile for the H200 (sm_90), checked on the CPU by Triton's own compiler;
+and an attention experiment that must keep every bit keeps every float instruction.
 
 A subprocess, because the interpreter tests switch this process's Triton to interpreting mode. This
 is a compile check only (no bits, no timings): it keeps a kernel that cannot compile for the GPU
@@ -35,6 +36,39 @@ def test_every_tuned_gemm_and_attention_launch_compiles_for_sm90(tmp_path):
     assert any(line.startswith("ok    rope_write hq=32 hkv=8 D=128 bf16") for line in lines)
     assert any(line.startswith("ok    mla h=128 R=512 P=64 bf16 split") for line in lines)
     assert all(line.startswith("ok ") for line in lines), lines
+
+
+def _script(args, tmp_path, code=None):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    cmd = ([sys.executable, "-c", code, os.path.join(ROOT, "scripts")] if code else
+           [sys.executable, os.path.join(ROOT, "scripts", "triton_aot_check.py"), *args])
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_page_ids_per_split_change_no_float_instruction(tmp_path):
+    """JENGINE_ATTENTION_PAGES=split moves only where the K/V addresses come from (and the
+    pipelining): every attention launch's sm_90 PTX has the same float instructions in the same
+    order with it as without it -- the compiled form of "the same bits"."""
+    proc = _script(["--same-float-ops"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 12 and all(line.startswith("same ") for line in lines), lines
+
+
+def test_negative_control_another_row_sum_changes_the_float_instructions(tmp_path):
+    """The comparison above can fail: the same serial launch on the dot row sum (other bits)
+    has other float instructions."""
+    code = ("import sys; sys.path[:0] = [sys.argv[1]]\n"
+            "import triton_aot_check as c\n"
+            "label, fn, args, consts, opts = next(iter(c.attention_kernels()))\n"
+            "ops = [c.float_ops(c._compile(fn, args, dict(consts, ROWSUM=r), *opts).asm['ptx'])\n"
+            "       for r in (0, 2)]\n"
+            "print(label, len(ops[0]), len(ops[1]), ops[0] == ops[1])\n")
+    proc = _script([], tmp_path, code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("attention hq=32 hkv=8 D=128 bf16 serial "), proc.stdout
+    assert proc.stdout.split()[-1] == "False", proc.stdout
 
 
 BROKEN = '''

@@ -394,3 +394,78 @@ def test_with_a_layout_free_row_sum_it_is_still_attention_and_one_algorithm(setu
                                                schedule="split")) == 0
     for i, (r, p) in enumerate(rows):
         np.testing.assert_allclose(serial[i], _reference(q[r][p], *seqs[r], p), atol=1e-5, rtol=0)
+
+
+# -- the page ids per split (JENGINE_ATTENTION_PAGES=split: an experiment, the same bits) -----------
+
+
+def test_pages_per_split_covers_every_page_a_split_spans():
+    """PAGES is a power of two >= the pages a split of SPLIT positions spans, whatever the page
+    size: aligned (a divisor or a multiple of SPLIT) and not (a split starting inside a page).
+    Checked against counting the pages of every split of a long context directly."""
+    for page_size in (1, 8, 16, 48, 100, 256, 300, 512, 4096):
+        spans = {(lo + ta.SPLIT - 1) // page_size - lo // page_size + 1
+                 for lo in range(0, 64 * ta.SPLIT, ta.SPLIT)}
+        pages = ta.pages_per_split(page_size)
+        assert pages >= max(spans) and pages & (pages - 1) == 0, (page_size, pages, spans)
+        assert pages < 2 * max(spans), (page_size, pages, spans)  # and not wastefully more
+
+
+def test_the_pages_switch_is_read_and_refused_by_name(monkeypatch):
+    q = torch.zeros((4, HQ, D), dtype=torch.float32)
+    pool = torch.zeros((8, PAGE, HKV, D), dtype=torch.float32)
+    monkeypatch.delenv(ta.PAGES_ENV, raising=False)
+    c = ta._constexprs(q, pool)
+    assert (c["PAGES"], ta.launch_options(c)["num_stages"]) == (0, ta.NUM_STAGES)
+    monkeypatch.setenv(ta.PAGES_ENV, "split")
+    c = ta._constexprs(q, pool)
+    assert (c["PAGES"], ta.launch_options(c)["num_stages"]) == (ta.pages_per_split(PAGE),
+                                                                ta.PAGES_STAGES)
+    monkeypatch.setenv(ta.PAGES_ENV, "ahead")
+    with pytest.raises(ValueError, match="JENGINE_ATTENTION_PAGES='ahead'"):
+        ta._constexprs(q, pool)
+
+
+def _page_launches(setup, tables):
+    """Every launch the leaf makes over rows across the first split boundary: the serial and split
+    schedules, auto's wide tile, and the dense-causal twin (one page of S = 300 positions, not a
+    multiple of SPLIT)."""
+    k, v, _, seqs, q, lengths = setup
+    rows = [(0, 44), (2, 3)] + [(1, p) for p in range(230, 290)]
+    req = torch.tensor([r for r, _ in rows], dtype=torch.int32)
+    pos = torch.tensor([p for _, p in rows], dtype=torch.int32)
+    kk, vv = seqs[1]
+    outs = [_step(_q(q, rows), (k, v, tables), rows, schedule=s) for s in ("serial", "split")]
+    outs.append(ta.paged_attention_triton_wide_torch(_q(q, rows), (k, v), tables, req, pos,
+                                                     scale=SCALE).numpy())
+    outs.append(ta.dense_causal_attention_triton_torch(
+        torch.from_numpy(q[1][None]), torch.from_numpy(kk[None]), torch.from_numpy(vv[None]),
+        scale=SCALE).numpy()[0])
+    return outs
+
+
+def test_page_ids_per_split_give_every_launch_the_same_bits(setup, monkeypatch):
+    """With the page ids loaded once per split and gathered per tile, every launch gives today's
+    bits (requests on shuffled pages with NaN in their unused slots)."""
+    monkeypatch.setattr(ta, "WIDE_MIN_TOKENS", 40)
+    monkeypatch.delenv(ta.PAGES_ENV, raising=False)
+    today = _page_launches(setup, setup[2])
+    monkeypatch.setenv(ta.PAGES_ENV, "split")
+    split = _page_launches(setup, setup[2])
+    assert [count_bit_differences(a, b) for a, b in zip(today, split)] == [0, 0, 0, 0]
+
+
+def test_negative_control_other_page_ids_fail_the_comparison(setup, monkeypatch):
+    """The comparison above can fail: the same launches given request 1's pages past its first
+    split in another order (so tiles of the second split read other K/V) differ wherever the
+    table is read -- every launch but the dense twin, which has none."""
+    monkeypatch.setattr(ta, "WIDE_MIN_TOKENS", 40)
+    monkeypatch.delenv(ta.PAGES_ENV, raising=False)
+    today = _page_launches(setup, setup[2])
+    tables = setup[2].clone()
+    first_split_pages = ta.SPLIT // PAGE
+    tables[1, first_split_pages:] = tables[1, first_split_pages:].flip(0)
+    monkeypatch.setenv(ta.PAGES_ENV, "split")
+    moved = _page_launches(setup, tables)
+    differ = [count_bit_differences(a, b) for a, b in zip(today, moved)]
+    assert all(n > 0 for n in differ[:3]) and differ[3] == 0, differ
