@@ -85,6 +85,16 @@ def _launch_label(r: dict, split_key: str) -> str:
                    (("TPP", "tpp"), ("BLOCK_N", "block_n"), ("SPLIT", split_key)) if r.get(key))
 
 
+def write_results(args, name: str, rows: list[dict], header: str, line) -> int:
+    """`rows` to NAME.json in --out, and NAME.md: `header`, then `line(row)` for each."""
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
+        f.write(header)
+        f.writelines(line(r) for r in rows)
+    return 0
+
+
 def report(label, cfg, n, us, err) -> None:
     """One progress line of a launch-settings sweep."""
     extra = "".join(f" {k} {v}" for k, v in zip(("TPP", "BLOCK_N", "SPLIT"), cfg[2:]) if v)
@@ -150,17 +160,14 @@ def pages_ab(args, launch, cases, configs, name: str) -> int:
                   f"split vs per tile differ in {n} rows (control {control}); "
                   f"{'-' if us0 is None else f'{us0:.1f} -> {us1:.1f} us'}"
                   f"{'' if err is None else ' ' + err}", flush=True)
-    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
-        f.write("| case | warps / stages | rows differing, per split vs per tile (control) | "
-                "µs per layer, per tile -> per split |\n|---|---|---|---|\n")
-        for r in rows:
-            us = "-" if r["us_tile"] is None else f"{r['us_tile']:.1f} -> {r['us_split']:.1f}"
-            f.write(f"| {r['case']} | {r['warps']} / {r['stages']}{_launch_label(r, 'none')} | "
-                    f"{r['rows_differ'] if r['error'] is None else r['error']} "
-                    f"({r['control_rows_differ']}) | {us} |\n")
-    return 0
+    def line(r):
+        us = "-" if r["us_tile"] is None else f"{r['us_tile']:.1f} -> {r['us_split']:.1f}"
+        return (f"| {r['case']} | {r['warps']} / {r['stages']}{_launch_label(r, 'none')} | "
+                f"{r['rows_differ'] if r['error'] is None else r['error']} "
+                f"({r['control_rows_differ']}) | {us} |\n")
+    return write_results(args, name, rows, "| case | warps / stages | rows differing, per split vs "
+                         "per tile (control) | µs per layer, per tile -> per split |\n"
+                         "|---|---|---|---|\n", line)
 
 
 def serial_main(args) -> int:
@@ -189,16 +196,12 @@ def serial_main(args) -> int:
                          "split": cfg[4] if len(cfg) > 4 else None,
                          "us": us, "error": err})
             report(f"{name} serial", cfg, n, us, err)
-    with open(os.path.join(args.out, "attention_serial.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-    with open(os.path.join(args.out, "attention_serial.md"), "w") as f:
-        f.write("| case | serial warps / stages | rows differing from today | µs per layer |\n"
-                "|---|---|---|---|\n")
-        for r in rows:
-            us = "-" if r["us"] is None else f"{r['us']:.1f}"
-            f.write(f"| {r['case']} | {r['warps']} / {r['stages']}{_launch_label(r, 'split')} | "
-                    f"{r['rows_differ'] if r['error'] is None else r['error']} | {us} |\n")
-    return 0
+    def line(r):
+        us = "-" if r["us"] is None else f"{r['us']:.1f}"
+        return (f"| {r['case']} | {r['warps']} / {r['stages']}{_launch_label(r, 'split')} | "
+                f"{r['rows_differ'] if r['error'] is None else r['error']} | {us} |\n")
+    return write_results(args, "attention_serial", rows, "| case | serial warps / stages | rows "
+                         "differing from today | µs per layer |\n|---|---|---|---|\n", line)
 
 
 def device_us(run, iters=200) -> float:
@@ -294,18 +297,15 @@ def main() -> int:
                              cfg_split=cfg[4] if len(cfg) > 4 else None,
                              us=us, vs_serial=vs_serial, control_rows_differ=control, error=err))
             report("split", cfg, n, us, err)
-    with open(os.path.join(args.out, "attention_split.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-    with open(os.path.join(args.out, "attention_split.md"), "w") as f:
-        f.write("| case | split warps / stages | rows differing from today | today vs serial | "
-                "µs per layer |\n|---|---|---|---|---|\n")
-        for r in rows:
-            us = "-" if r["us"] is None else f"{r['us']:.1f}"
-            f.write(f"| {r['case']}{' SPLIT %d' % r['split'] if 'split' in r else ''} | "
-                    f"{r['split_warps']} / {r['split_stages']}{_launch_label(r, 'cfg_split')} | "
-                    f"{r['rows_differ'] if r['error'] is None else r['error']} | "
-                    f"{r['vs_serial']} | {us} |\n")
-    return 0
+    def line(r):
+        us = "-" if r["us"] is None else f"{r['us']:.1f}"
+        return (f"| {r['case']}{' SPLIT %d' % r['split'] if 'split' in r else ''} | "
+                f"{r['split_warps']} / {r['split_stages']}{_launch_label(r, 'cfg_split')} | "
+                f"{r['rows_differ'] if r['error'] is None else r['error']} | "
+                f"{r['vs_serial']} | {us} |\n")
+    return write_results(args, "attention_split", rows, "| case | split warps / stages | rows "
+                         "differing from today | today vs serial | µs per layer |\n"
+                         "|---|---|---|---|---|\n", line)
 
 
 if __name__ == "__main__":
