@@ -400,7 +400,7 @@ for s in "$@"; do
     goldens_check_epilogues) JENGINE_GEMM_EPILOGUES=add_norm,swiglu step goldens_check_epilogues 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
     attention_pages_ab)  # page ids per tile vs per split, every launch: bits (0 rows expected), µs
       step attention_split_pages 120 python3 scripts/gpu_attention_split.py --pages-ab --configs 4,2 4,3 4,4 --out "$out/attention_split_pages"
-      step attention_serial_pages 240 python3 scripts/gpu_attention_split.py --serial --pages-ab --configs 4,2 4,3 4,4 4,2,16,64 4,3,16,64 --out "$out/attention_serial_pages" ;;
+      step attention_serial_pages 240 python3 scripts/gpu_attention_split.py --serial --pages-ab --configs 4,2 4,3 4,4 4,2,16,64 4,3,16,64 4,4,16,64 8,3,16,64 --out "$out/attention_serial_pages" ;;
     pages_ab_auto|pages_ab_rl)  # a mode's model rows, today's and with the page ids per split, on one machine
       numerics=auto; [ "$s" = pages_ab_rl ] && numerics=rl-bitwise
       step "model_${numerics}_pages_tile" 200 python3 -m jengine.cli bench --parts model --numerics "$numerics" --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_${numerics}_pages_tile"
