@@ -23,15 +23,15 @@ naming head_dim, rather than silently giving bits the engine does not produce.
 least WIDE_MIN_TOKENS token rows (a prefill chunk) runs the serial schedule on WIDE_ROWS rows per
 program, which reads each KV tile for 4x the query rows (H200, a 4096-token prefill: 1.11 vs 1.82 ms
 per layer; docs/performance.md), in bf16 on KV tiles of WIDE_BLOCK_N positions (another algorithm,
-which auto may run: it has no bit contract). It is deterministic but not batch-invariant: ROWS 64 on 4 warps
-gives a few rows other bits than ROWS 16 on 4 warps (69 of 131,072 in that prefill), so a row's bits
-would depend on its step's size. rl-bitwise never plans it (no batch_invariant feature). Measured on
-the H200 (scripts/gpu_attention_rows.py): ROWS 16 on 1 warp, 64 on 4 and 128 on 8 agree bit for
-bit, as do ROWS 16 on 4 and 32 on 8 -- consistent with a row's sum over a KV tile being reduced
-across the warps that share the row (4 today, 1 in the wide launch). So rl-bitwise could have the
-wide tile too by running every step on one warp per 16 rows, but that decode schedule measured
-1.3-1.8x slower (split kernel at bs 1: 28.5 vs 16.0 us per layer; serial at bs 64: 108 vs 81).
-Or by a row sum whose order no layout can change: `JENGINE_ATTENTION_ROWSUM=tree` or `dot`
+which auto may run: it has no bit contract). It is deterministic but not batch-invariant: ROWS 64 on
+4 warps gives a few rows other bits than ROWS 16 on 4 warps (69 of 131,072 in that prefill), so a
+row's bits would depend on its step's size. rl-bitwise never plans it (no batch_invariant feature).
+Measured on the H200 (scripts/gpu_attention_rows.py): ROWS 16 on 1 warp, 64 on 4 and 128 on 8 agree
+bit for bit, as do ROWS 16 on 4 and 32 on 8 -- consistent with a row's sum over a KV tile being
+reduced across the warps that share the row (4 today, 1 in the wide launch). So rl-bitwise could
+have the wide tile too by running every step on one warp per 16 rows, but that decode schedule
+measured 1.3-1.8x slower (split kernel at bs 1: 28.5 vs 16.0 us per layer; serial at bs 64: 108 vs
+81). Or by a row sum whose order no layout can change: `JENGINE_ATTENTION_ROWSUM=tree` or `dot`
 (below). On the H200 the tree does make one class (every (ROWS, warps) launch 0 rows differing,
 trainer alignment MATCH with the twin on the wide tile), but its reduction costs the narrow serial
 launch: decode bs 64 +10 %, so it stays off (docs/performance.md, eighteenth session). The dot (the
@@ -83,7 +83,8 @@ ROWSUM_ENV = "JENGINE_ATTENTION_ROWSUM"
 # ids loaded once and every tile's K/V copies issued a tile ahead, on PAGES_STAGES pipeline stages
 # (the kernels' _split_state says why today's loop cannot overlap them). Only where the addresses
 # come from changes, so a launch gives the same bits either way (tests/test_triton_attention.py
-# under the interpreter; gpu_run.sh pages_ab times it and goldens_check_pages checks the H200's).
+# under the interpreter; gpu_run.sh attention_pages_ab and pages_ab_auto / pages_ab_rl time it,
+# goldens_check_pages checks the H200's bits).
 PAGES_ENV, PAGES_STAGES = "JENGINE_ATTENTION_PAGES", 3
 PAGES_FORMS = ("tile", "split")
 # triton_wide_prefill (auto only): query rows per program on steps of >= WIDE_MIN_TOKENS rows. At
