@@ -136,23 +136,22 @@ def pages_ab(args, launch, cases, configs, name: str) -> int:
     rows differing between the two -- 0 expected, only the addresses' source changes -- and the
     device µs of each. The control (SPLIT 128) must differ, so the comparison can fail."""
     rows = []
+    pages = ta.pages_per_split(rows_exp.PAGE)
     for case_name, case in cases.items():
-        pages = ta.pages_per_split(rows_exp.PAGE)
         for cfg in configs:
+            tpp, block_n = (list(cfg[2:4]) + [None, None])[:2]
             try:
                 run0, out0 = launch(case, *cfg, pages=0)
                 us0 = device_us(run0)
                 run1, out1 = launch(case, *cfg, pages=pages)
                 us1, n, err = device_us(run1), rows_exp.rows_differ(out0, out1), None
-                tpp, block_n = (list(cfg[2:4]) + [None, None])[:2]
                 control = rows_exp.rows_differ(out0, launch(case, cfg[0], cfg[1], tpp, block_n,
                                                             128, pages=pages)[1])
             except Exception as exc:  # noqa: BLE001 -- a config that does not compile is a result
                 us0 = us1 = n = control = None
                 err = f"{type(exc).__name__}: {str(exc)[:200]}"
-            rows.append(dict(case=case_name, warps=cfg[0], stages=cfg[1],
-                             tpp=cfg[2] if len(cfg) > 2 else None,
-                             block_n=cfg[3] if len(cfg) > 3 else None, pages=pages,
+            rows.append(dict(case=case_name, warps=cfg[0], stages=cfg[1], tpp=tpp,
+                             block_n=block_n, pages=pages,
                              rows_differ=n, control_rows_differ=control, us_tile=us0,
                              us_split=us1, error=err))
             r = rows[-1]

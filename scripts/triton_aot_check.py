@@ -3,7 +3,6 @@
     python scripts/triton_aot_check.py [LABEL_PREFIX]
     python scripts/triton_aot_check.py --same-float-ops
 
-
 Triton's compiler and ptxas run on any Linux x86_64 host, so a kernel that does not compile for the
 H200 (an unsupported construct, a type mismatch between selected pointers) fails here, in CI, and
 not in a device call. It checks compilation only: no bits and no timings (those need the GPU:
@@ -142,6 +141,14 @@ def gemm_kernels():
                    E.gemm_swiglu_kernel, args, consts, tile)
 
 
+def _launch_options(c: dict) -> tuple:
+    """(warps, stages, fp fusion) the attention leaf launches constexprs c with."""
+    from pallas_kernels import triton_attention as ta
+
+    o = ta.launch_options(c)
+    return o["num_warps"], o["num_stages"], o["enable_fp_fusion"]
+
+
 def attention_kernels():
     """(label, fn, args, consts, (warps, stages, fp_fusion)) of the attention leaf's two kernels and
     the rope_write leaf's, for the Llama-3-8B heads (32 q / 8 kv, D 128) and the tiny model's, bf16
@@ -149,12 +156,12 @@ def attention_kernels():
     from pallas_kernels import _triton_attention_kernels as K
     from pallas_kernels import triton_attention as ta
 
-    launch = (ta.NUM_WARPS, ta.NUM_STAGES, False)
     for (hq, hkv, d) in ((32, 8, 128), (4, 2, 16)):
         for dtype in ("bf16", "fp32"):
             geo = ta.geometry(hq, hkv, d)
             c = dict(geo, BLOCK_N=ta.BLOCK_N, SPLIT=ta.SPLIT, IEEE=dtype == "fp32",
                      ROWSUM=0, PAGES=0)
+            launch = _launch_options(c)
             inputs = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
                       "bt_ptr": "*i32", "pos_ptr": "*i32", "tiles_ptr": "*i32", "num_tiles": "i32",
                       "page_size": "i32", "table_width": "i32", "scale": "fp32"}
@@ -162,21 +169,23 @@ def attention_kernels():
             yield (label + " serial", K.attention_serial_kernel,
                    dict(inputs, out_ptr=f"*{dtype}"), c, launch)
             wide = ta.widened(c, ta.WIDE_MIN_TOKENS, "serial", auto=True)
+            wide_label = label + f" serial wide TPP={wide['TPP']} BLOCK_N={wide['BLOCK_N']}"
             if wide is not c:  # --numerics auto's prefill tile (triton_wide_prefill)
-                yield (label + f" serial wide TPP={wide['TPP']} BLOCK_N={wide['BLOCK_N']}",
-                       K.attention_serial_kernel, dict(inputs, out_ptr=f"*{dtype}"), wide, launch)
+                yield (wide_label, K.attention_serial_kernel, dict(inputs, out_ptr=f"*{dtype}"),
+                       wide, launch)
             parts = {"sem_in_ptr": "*i32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
                      "part_acc_ptr": "*fp32", "out_ptr": f"*{dtype}", "sem_ptr": "*i32"}
             yield (label + " split", K.attention_split_kernel, dict(inputs, **parts),
                    dict(c, NSPLIT=8), launch)
             # the page ids per split (JENGINE_ATTENTION_PAGES=split, 16-position pages), on the
-            # stages it launches with: every launch the leaf makes
+            # stages the leaf launches them with: every launch the leaf makes, labelled as today's
+            # launch + " pages" (--same-float-ops pairs them so)
             pages = dict(c, PAGES=ta.pages_per_split(16))
-            paged = (ta.NUM_WARPS, ta.PAGES_STAGES, False)
+            paged = _launch_options(pages)
             yield (label + " serial pages", K.attention_serial_kernel,
                    dict(inputs, out_ptr=f"*{dtype}"), pages, paged)
             if wide is not c:
-                yield (label + " serial wide pages", K.attention_serial_kernel,
+                yield (wide_label + " pages", K.attention_serial_kernel,
                        dict(inputs, out_ptr=f"*{dtype}"), dict(wide, PAGES=pages["PAGES"]), paged)
             yield (label + " split pages", K.attention_split_kernel, dict(inputs, **parts),
                    dict(pages, NSPLIT=8), paged)
@@ -247,8 +256,6 @@ def same_float_ops() -> int:
         if not label.endswith(" pages"):
             continue
         base = label[:-len(" pages")]
-        if base.endswith(" wide"):
-            base = next(other for other in launches if other.startswith(base + " TPP="))
         ops = [float_ops(_compile(f, a, c, *o).asm["ptx"])
                for f, a, c, o in (launches[base], (fn, args, consts, options))]
         same = ops[0] == ops[1]

@@ -22,11 +22,19 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed")
 
 
-def test_every_tuned_gemm_and_attention_launch_compiles_for_sm90(tmp_path):
+def _script(args, cache_dir, code=None, timeout=600):
+    """scripts/triton_aot_check.py with `args` -- or, given `code`, `python -c code SCRIPTS *args`
+    -- outside the interpreter, with its own Triton cache."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "triton_aot_check.py")],
-                          capture_output=True, text=True, env=env, timeout=600)
+    env["TRITON_CACHE_DIR"] = str(cache_dir)
+    scripts = os.path.join(ROOT, "scripts")
+    cmd = ([sys.executable, "-c", code, scripts, *args] if code else
+           [sys.executable, os.path.join(scripts, "triton_aot_check.py"), *args])
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def test_every_tuned_gemm_and_attention_launch_compiles_for_sm90(tmp_path):
+    proc = _script([], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert any("4096+1024+1024" in line and "split" in line for line in lines), lines
@@ -36,14 +44,6 @@ def test_every_tuned_gemm_and_attention_launch_compiles_for_sm90(tmp_path):
     assert any(line.startswith("ok    rope_write hq=32 hkv=8 D=128 bf16") for line in lines)
     assert any(line.startswith("ok    mla h=128 R=512 P=64 bf16 split") for line in lines)
     assert all(line.startswith("ok ") for line in lines), lines
-
-
-def _script(args, tmp_path, code=None):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    cmd = ([sys.executable, "-c", code, os.path.join(ROOT, "scripts")] if code else
-           [sys.executable, os.path.join(ROOT, "scripts", "triton_aot_check.py"), *args])
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
 def test_page_ids_per_split_change_no_float_instruction(tmp_path):
@@ -90,9 +90,6 @@ def test_negative_control_a_kernel_triton_refuses_fails_the_check(tmp_path):
     code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
             "import broken_kernel, triton_aot_check as c\n"
             "c._compile(broken_kernel.broken, {'a_ptr': '*fp32', 'b_ptr': '*bf16'}, {}, 4, 1)\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path), os.path.join(ROOT, "scripts")],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = _script([str(tmp_path)], tmp_path / "cache", code, timeout=300)
     assert proc.returncode != 0
     assert "CompilationError" in proc.stderr, proc.stderr[-2000:]

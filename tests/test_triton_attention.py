@@ -51,10 +51,15 @@ def _pool(rng, lengths, num_pages=64):
     return torch.from_numpy(k), torch.from_numpy(v), torch.tensor(tables, dtype=torch.int32), seqs
 
 
+def _req_pos(rows):
+    """rows: list of (request, position) in step order -> the step's token_req, positions."""
+    return (torch.tensor([r for r, _ in rows], dtype=torch.int32),
+            torch.tensor([p for _, p in rows], dtype=torch.int32))
+
+
 def _step(q_rows, table, rows, schedule=None):
     """rows: list of (request, position) in step order -> output [T, HQ, D] (numpy)."""
-    req = torch.tensor([r for r, _ in rows], dtype=torch.int32)
-    pos = torch.tensor([p for _, p in rows], dtype=torch.int32)
+    req, pos = _req_pos(rows)
     return ta.paged_attention_triton_torch(q_rows, table[:2], table[2], req, pos, scale=SCALE,
                                            schedule=schedule).numpy()
 
@@ -225,8 +230,7 @@ def test_auto_wide_tile_computes_every_row_of_a_prefill_step(setup, monkeypatch)
     assert ta.wide_tpp(c, 39, "serial") == ta.wide_tpp(c, len(rows), "split") == c["TPP"]
     assert ta.widened(c, len(rows), "serial", auto=True)["BLOCK_N"] == (
         ta.BLOCK_N if c["IEEE"] else ta.WIDE_BLOCK_N)
-    req = torch.tensor([r for r, _ in rows], dtype=torch.int32)
-    pos = torch.tensor([p for _, p in rows], dtype=torch.int32)
+    req, pos = _req_pos(rows)
     wide = ta.paged_attention_triton_wide_torch(_q(q, rows), (k, v), tables, req, pos,
                                                 scale=SCALE).numpy()
     for i, (r, p) in enumerate(rows):
@@ -247,8 +251,7 @@ def test_auto_wide_tile_in_bf16_reads_kv_in_its_own_tiles(setup, monkeypatch):
     kb, vb, qb = k.to(torch.bfloat16), v.to(torch.bfloat16), _q(q, rows).to(torch.bfloat16)
     c = ta._constexprs(qb, kb)
     assert ta.widened(c, len(rows), "serial", auto=True)["BLOCK_N"] == ta.WIDE_BLOCK_N
-    req = torch.tensor([r for r, _ in rows], dtype=torch.int32)
-    pos = torch.tensor([p for _, p in rows], dtype=torch.int32)
+    req, pos = _req_pos(rows)
     wide = ta.paged_attention_triton_wide_torch(qb, (kb, vb), tables, req, pos, scale=SCALE)
     wide = wide.float().numpy()
     as_bf16 = [tuple(torch.from_numpy(a).to(torch.bfloat16).float().numpy() for a in seq)
@@ -432,8 +435,7 @@ def _page_launches(setup, tables):
     multiple of SPLIT)."""
     k, v, _, seqs, q, lengths = setup
     rows = [(0, 44), (2, 3)] + [(1, p) for p in range(230, 290)]
-    req = torch.tensor([r for r, _ in rows], dtype=torch.int32)
-    pos = torch.tensor([p for _, p in rows], dtype=torch.int32)
+    req, pos = _req_pos(rows)
     kk, vv = seqs[1]
     outs = [_step(_q(q, rows), (k, v, tables), rows, schedule=s) for s in ("serial", "split")]
     outs.append(ta.paged_attention_triton_wide_torch(_q(q, rows), (k, v), tables, req, pos,
