@@ -173,25 +173,60 @@ def _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base, m, l, acc, ROWS:
 
 
 @triton.jit
+def _load_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base, ok, ROWS: tl.constexpr,
+                   W: tl.constexpr, CACHE: tl.constexpr, MASKED: tl.constexpr):
+    """One split's stored state at partial rows [base, base + ROWS) (MASKED: zeros where not
+    ok, a split past the last)."""
+    rows = tl.arange(0, ROWS)
+    w = tl.arange(0, W)
+    if MASKED:
+        m = tl.load(part_m_ptr + base + rows, mask=ok, other=0.0, cache_modifier=CACHE)
+        l = tl.load(part_l_ptr + base + rows, mask=ok, other=0.0, cache_modifier=CACHE)
+        acc = tl.load(part_acc_ptr + (base + rows)[:, None] * W + w[None, :], mask=ok, other=0.0,
+                      cache_modifier=CACHE)
+    else:
+        m = tl.load(part_m_ptr + base + rows, cache_modifier=CACHE)
+        l = tl.load(part_l_ptr + base + rows, cache_modifier=CACHE)
+        acc = tl.load(part_acc_ptr + (base + rows)[:, None] * W + w[None, :], cache_modifier=CACHE)
+    return m, l, acc
+
+
+@triton.jit
 def _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0, max_pos, row_pos,
                     ROWS: tl.constexpr, W: tl.constexpr, SPLIT: tl.constexpr,
-                    CACHE: tl.constexpr):
+                    CACHE: tl.constexpr, AHEAD: tl.constexpr):
     """Every live split's stored state (split s at base0 + s * ROWS) folded in split order, as the
     serial kernel folds them: the split and the serial schedules share this order and `_merge`.
     CACHE: the loads' cache modifier ("" in a kernel of its own; ".cg" where other programs of
-    the same launch wrote the state)."""
+    the same launch wrote the state). AHEAD (with JENGINE_ATTENTION_PAGES=split): split s + 1's
+    state is loaded before split s is merged, so its latency hides behind the merge (Triton does
+    not pipeline these loads itself: plain synchronous loads in the sm_90 TTGIR); the same values
+    are merged in the same order (the same bits)."""
     rows = tl.arange(0, ROWS)
     w = tl.arange(0, W)
     big_m = tl.full((ROWS,), float("-inf"), tl.float32)
     big_l = tl.zeros((ROWS,), tl.float32)
     big_acc = tl.zeros((ROWS, W), tl.float32)
-    for split in range(0, max_pos // SPLIT + 1):
-        base = base0 + split * ROWS
-        m = tl.load(part_m_ptr + base + rows, cache_modifier=CACHE)
-        l = tl.load(part_l_ptr + base + rows, cache_modifier=CACHE)
-        acc = tl.load(part_acc_ptr + (base + rows)[:, None] * W + w[None, :], cache_modifier=CACHE)
-        big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc,
-                                       split * SPLIT <= row_pos)
+    if AHEAD:
+        n = max_pos // SPLIT + 1
+        m, l, acc = _load_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0, True, ROWS, W,
+                                   CACHE, False)
+        for split in range(0, n):
+            m_next, l_next, acc_next = _load_partials(part_m_ptr, part_l_ptr, part_acc_ptr,
+                                                      base0 + (split + 1) * ROWS, split + 1 < n,
+                                                      ROWS, W, CACHE, True)
+            big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc,
+                                           split * SPLIT <= row_pos)
+            m, l, acc = m_next, l_next, acc_next
+    else:
+        for split in range(0, max_pos // SPLIT + 1):
+            base = base0 + split * ROWS
+            m = tl.load(part_m_ptr + base + rows, cache_modifier=CACHE)
+            l = tl.load(part_l_ptr + base + rows, cache_modifier=CACHE)
+            acc = tl.load(part_acc_ptr + (base + rows)[:, None] * W + w[None, :],
+                          cache_modifier=CACHE)
+            big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc,
+                                           split * SPLIT <= row_pos)
     return big_l, big_acc
 
 
@@ -272,7 +307,8 @@ def attention_split_kernel(
                             acc, ROWS, D)
             if last_to_arrive(sem_ptr + tile * HKV + h, max_pos // SPLIT + 1):
                 big_l, big_acc = _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0,
-                                                 max_pos, row_pos, ROWS, D, SPLIT, ".cg")
+                                                 max_pos, row_pos, ROWS, D, SPLIT, ".cg",
+                                                 PAGES > 0)
                 _store_out(out_ptr, big_l, big_acc, g, ok, tok, h, HQ, G, D)
 
 

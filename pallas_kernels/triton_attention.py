@@ -40,7 +40,9 @@ row sum taken by an MMA) is the nineteenth session's candidate.
 Where the K/V rows come from is not part of the algorithm: `JENGINE_ATTENTION_PAGES=split` (an
 experiment, off) loads each split's page ids once instead of each tile's inside the tile loop, so
 Triton's pipeliner can issue a tile's K/V copies while the previous tile computes (today's loop
-waits for every copy at the top of every iteration: the kernels' `_split_state`). Every launch's
+waits for every copy at the top of every iteration: the kernels' `_split_state`), and the split
+launch's last program loads split s + 1's stored state before merging split s (`_merge_partials`,
+AHEAD: Triton issues those loads synchronously otherwise). Every launch's
 sm_90 PTX keeps the same float instructions in the same order (scripts/triton_aot_check.py
 --same-float-ops, in CI) and the interpreter gives the same bits; the H200 has not timed it yet.
 
@@ -81,7 +83,8 @@ NUM_WARPS, NUM_STAGES = 4, 2
 ROWSUM_ENV = "JENGINE_ATTENTION_ROWSUM"
 # JENGINE_ATTENTION_PAGES=split -- an experiment, off by default, the same bits: each split's page
 # ids loaded once and every tile's K/V copies issued a tile ahead, on PAGES_STAGES pipeline stages
-# (the kernels' _split_state says why today's loop cannot overlap them). Only where the addresses
+# (the kernels' _split_state says why today's loop cannot overlap them), and the split merge's
+# loads a split ahead (_merge_partials). Only where the addresses
 # come from changes, so a launch gives the same bits either way (tests/test_triton_attention.py
 # under the interpreter; gpu_run.sh attention_pages_ab and pages_ab_auto / pages_ab_rl time it,
 # goldens_check_pages checks the H200's bits).
