@@ -134,34 +134,36 @@ def pages_ab(args, launch, cases, configs, name: str) -> int:
     """--pages-ab: every config launched twice on the same buffers' values, with the page ids
     loaded per tile (PAGES 0, today) and per split (the JENGINE_ATTENTION_PAGES=split experiment):
     rows differing between the two -- 0 expected, only the addresses' source changes -- and the
-    device µs of each. The control (SPLIT 128) must differ, so the comparison can fail."""
+    device µs of each (a config's SPLIT, where it sets one, sizes its page window). The
+    control (SPLIT 128, or 64 where the config's is 128) must differ, so the comparison can fail."""
     rows = []
-    pages = ta.pages_per_split(rows_exp.PAGE)
     for case_name, case in cases.items():
         for cfg in configs:
-            tpp, block_n = (list(cfg[2:4]) + [None, None])[:2]
+            tpp, block_n, split = (list(cfg[2:5]) + [None, None, None])[:3]
+            pages = ta.pages_per_split(rows_exp.PAGE, split or ta.SPLIT)
             try:
                 run0, out0 = launch(case, *cfg, pages=0)
                 us0 = device_us(run0)
                 run1, out1 = launch(case, *cfg, pages=pages)
                 us1, n, err = device_us(run1), rows_exp.rows_differ(out0, out1), None
+                other = 128 if (split or ta.SPLIT) != 128 else 64  # another algorithm
                 control = rows_exp.rows_differ(out0, launch(case, cfg[0], cfg[1], tpp, block_n,
-                                                            128, pages=pages)[1])
+                                                            other, pages=pages)[1])
             except Exception as exc:  # noqa: BLE001 -- a config that does not compile is a result
                 us0 = us1 = n = control = None
                 err = f"{type(exc).__name__}: {str(exc)[:200]}"
             rows.append(dict(case=case_name, warps=cfg[0], stages=cfg[1], tpp=tpp,
-                             block_n=block_n, pages=pages,
+                             block_n=block_n, split=split, pages=pages,
                              rows_differ=n, control_rows_differ=control, us_tile=us0,
                              us_split=us1, error=err))
             r = rows[-1]
-            print(f"   {case_name} w{cfg[0]} s{cfg[1]}{_launch_label(r, 'none')}: page ids per "
+            print(f"   {case_name} w{cfg[0]} s{cfg[1]}{_launch_label(r, 'split')}: page ids per "
                   f"split vs per tile differ in {n} rows (control {control}); "
                   f"{'-' if us0 is None else f'{us0:.1f} -> {us1:.1f} us'}"
                   f"{'' if err is None else ' ' + err}", flush=True)
     def line(r):
         us = "-" if r["us_tile"] is None else f"{r['us_tile']:.1f} -> {r['us_split']:.1f}"
-        return (f"| {r['case']} | {r['warps']} / {r['stages']}{_launch_label(r, 'none')} | "
+        return (f"| {r['case']} | {r['warps']} / {r['stages']}{_launch_label(r, 'split')} | "
                 f"{r['rows_differ'] if r['error'] is None else r['error']} "
                 f"({r['control_rows_differ']}) | {us} |\n")
     return write_results(args, name, rows, "| case | warps / stages | rows differing, per split vs "

@@ -92,7 +92,8 @@
 #   attention_pages_ab  every decode / prefill launch with its page ids per tile (today) and per
 #                  split: rows differing (0 expected) and µs of each (scripts/gpu_attention_split.py
 #                  --pages-ab; split: bs 1 / 16, serial: 64 / 256 rows and a 4096-token prefill,
-#                  the narrow tile and auto's wide one)
+#                  the narrow tile and auto's wide one; the wide one also at SPLIT 512 / 1024: auto
+#                  has no bit contract, and a longer split fills its loads' pipeline once per split)
 #   pages_ab_auto / pages_ab_rl  a mode's model rows (decode bs 1 / 64 / 256, the 4096-token
 #                  prefill), today's and with the switch, in one call
 #   goldens_check_pages  the H200 goldens with the switch: every bit must be unchanged
@@ -400,7 +401,7 @@ for s in "$@"; do
     goldens_check_epilogues) JENGINE_GEMM_EPILOGUES=add_norm,swiglu step goldens_check_epilogues 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
     attention_pages_ab)  # page ids per tile vs per split, every launch: bits (0 rows expected), µs
       step attention_split_pages 120 python3 scripts/gpu_attention_split.py --pages-ab --configs 4,2 4,3 4,4 --out "$out/attention_split_pages"
-      step attention_serial_pages 240 python3 scripts/gpu_attention_split.py --serial --pages-ab --configs 4,2 4,3 4,4 4,2,16,64 4,3,16,64 4,4,16,64 8,3,16,64 --out "$out/attention_serial_pages" ;;
+      step attention_serial_pages 240 python3 scripts/gpu_attention_split.py --serial --pages-ab --configs 4,2 4,3 4,4 4,2,16,64 4,3,16,64 4,4,16,64 8,3,16,64 4,3,16,64,512 4,3,16,64,1024 --out "$out/attention_serial_pages" ;;
     pages_ab_auto|pages_ab_rl)  # a mode's model rows, today's and with the page ids per split, on one machine
       numerics=auto; [ "$s" = pages_ab_rl ] && numerics=rl-bitwise
       step "model_${numerics}_pages_tile" 200 python3 -m jengine.cli bench --parts model --numerics "$numerics" --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_${numerics}_pages_tile"
