@@ -174,20 +174,15 @@ def _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base, m, l, acc, ROWS:
 
 @triton.jit
 def _load_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base, ok, ROWS: tl.constexpr,
-                   W: tl.constexpr, CACHE: tl.constexpr, MASKED: tl.constexpr):
-    """One split's stored state at partial rows [base, base + ROWS) (MASKED: zeros where not
-    ok, a split past the last)."""
+                   W: tl.constexpr, CACHE: tl.constexpr):
+    """One split's stored state at partial rows [base, base + ROWS) (zeros where not ok: a split
+    past the last)."""
     rows = tl.arange(0, ROWS)
     w = tl.arange(0, W)
-    if MASKED:
-        m = tl.load(part_m_ptr + base + rows, mask=ok, other=0.0, cache_modifier=CACHE)
-        l = tl.load(part_l_ptr + base + rows, mask=ok, other=0.0, cache_modifier=CACHE)
-        acc = tl.load(part_acc_ptr + (base + rows)[:, None] * W + w[None, :], mask=ok, other=0.0,
-                      cache_modifier=CACHE)
-    else:
-        m = tl.load(part_m_ptr + base + rows, cache_modifier=CACHE)
-        l = tl.load(part_l_ptr + base + rows, cache_modifier=CACHE)
-        acc = tl.load(part_acc_ptr + (base + rows)[:, None] * W + w[None, :], cache_modifier=CACHE)
+    m = tl.load(part_m_ptr + base + rows, mask=ok, other=0.0, cache_modifier=CACHE)
+    l = tl.load(part_l_ptr + base + rows, mask=ok, other=0.0, cache_modifier=CACHE)
+    acc = tl.load(part_acc_ptr + (base + rows)[:, None] * W + w[None, :], mask=ok, other=0.0,
+                  cache_modifier=CACHE)
     return m, l, acc
 
 
@@ -210,15 +205,15 @@ def _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0, max_pos, row_po
     if AHEAD:
         n = max_pos // SPLIT + 1
         m, l, acc = _load_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0, True, ROWS, W,
-                                   CACHE, False)
+                                   CACHE)
         for split in range(0, n):
             m_next, l_next, acc_next = _load_partials(part_m_ptr, part_l_ptr, part_acc_ptr,
                                                       base0 + (split + 1) * ROWS, split + 1 < n,
-                                                      ROWS, W, CACHE, True)
+                                                      ROWS, W, CACHE)
             big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc,
                                            split * SPLIT <= row_pos)
             m, l, acc = m_next, l_next, acc_next
-    else:
+    else:  # today's loop as it was, not through _load_partials: its PTX stays the same
         for split in range(0, max_pos // SPLIT + 1):
             base = base0 + split * ROWS
             m = tl.load(part_m_ptr + base + rows, cache_modifier=CACHE)
