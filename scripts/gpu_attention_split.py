@@ -147,8 +147,9 @@ def pages_ab(args, launch, cases, configs, name: str) -> int:
                 run1, out1 = launch(case, *cfg, pages=pages)
                 us1, n, err = device_us(run1), rows_exp.rows_differ(out0, out1), None
                 other = 128 if (split or ta.SPLIT) != 128 else 64  # another algorithm
-                control = rows_exp.rows_differ(out0, launch(case, cfg[0], cfg[1], tpp, block_n,
-                                                            other, pages=pages)[1])
+                control = rows_exp.rows_differ(out0, launch(
+                    case, cfg[0], cfg[1], tpp, block_n, other,
+                    pages=ta.pages_per_split(rows_exp.PAGE, other))[1])  # its own page window
             except Exception as exc:  # noqa: BLE001 -- a config that does not compile is a result
                 us0 = us1 = n = control = None
                 err = f"{type(exc).__name__}: {str(exc)[:200]}"

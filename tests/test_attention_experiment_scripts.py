@@ -52,3 +52,25 @@ def test_the_rowsum_flag_reaches_the_launches(monkeypatch, case):
     leaf = rows_exp.ta.paged_attention_triton_torch(q, (k, v), table, req, pos,
                                                     scale=rows_exp.D ** -0.5, schedule="split")
     assert rows_exp.rows_differ(leaf, outs["triton"][0]) == 0
+
+
+def test_pages_ab_gives_every_launch_its_own_page_window(monkeypatch, tmp_path):
+    """--pages-ab's control runs another SPLIT; it once reused the config's page window, which
+    at SPLIT 64 (4 pages) is too small for its SPLIT 128 control: the interpreter's gather raised,
+    and on the GPU the out-of-range gather would have read whatever the registers held. A stand-in
+    launch (no kernel) checks the window each launch is given against the split it runs."""
+    seen = []
+
+    def launch(case, warps, stages, tpp=None, block_n=None, split=None, pages=None):
+        split = split or rows_exp.ta.SPLIT
+        if pages:
+            assert pages >= rows_exp.ta.pages_per_split(rows_exp.PAGE, split), (split, pages)
+        seen.append((split, pages))
+        return (lambda: None), torch.full((2, rows_exp.HQ, rows_exp.D), float(split), dtype=torch.bfloat16)
+
+    args = type("Args", (), {"out": str(tmp_path), "smoke": True})()
+    monkeypatch.setattr(split_exp, "device_us", lambda run: 0.0)  # timings are not checked here
+    split_exp.pages_ab(args, launch, {"c": None}, [(4, 3, 0, 0, 64), (4, 3, 0, 0, 512)], "t")
+    # (pages_ab records a launch that raises as that row's error, so what ran is checked here.)
+    assert (128, rows_exp.ta.pages_per_split(rows_exp.PAGE, 128)) in seen  # SPLIT 64's control
+    assert (512, rows_exp.ta.pages_per_split(rows_exp.PAGE, 512)) in seen
