@@ -51,10 +51,18 @@ def _launch_constexprs(q, k, tpp, block_n, split, pages):
     return c
 
 
-def split_launch(case, warps, stages, tpp=None, block_n=None, split=None, pages=None):
+def _bound(maxnreg) -> dict:
+    """Triton's `maxnreg` launch option where a config sets one (0 / None: ptxas's own choice).
+    jax-triton 0.3.1 cannot pass it, so only this torch launch can try it: a register bound
+    changes register allocation (and may spill), not the arithmetic, so the bits must not move."""
+    return {"maxnreg": maxnreg} if maxnreg else {}
+
+
+def split_launch(case, warps, stages, tpp=None, block_n=None, split=None, maxnreg=None,
+                 pages=None):
     """The leaf's split schedule with these launch settings (tpp: tokens per program, the leaf's
-    by default or at 0; block_n / split: another algorithm, other bits; pages: see
-    _launch_constexprs): (run, output). `run` launches the kernel on buffers made once -- its
+    by default or at 0; block_n / split: another algorithm, other bits; maxnreg: see _bound;
+    pages: see _launch_constexprs): (run, output). `run` launches the kernel on buffers made once -- its
     counters zeroed once: each launch leaves them zero, as in the engine's step -- so a CUDA graph
     of it times the device."""
     q, k, v, table, req, pos = case
@@ -73,7 +81,8 @@ def split_launch(case, warps, stages, tpp=None, block_n=None, split=None, pages=
     def run():
         rows_exp.torch_launch(ta.kernels().attention_split_kernel, (*inputs, sems),
                               (*parts, out, sems), (t, c["HKV"], nsplit), num_warps=warps,
-                              num_stages=stages, enable_fp_fusion=False, **c, NSPLIT=nsplit)
+                              num_stages=stages, enable_fp_fusion=False, **c, NSPLIT=nsplit,
+                              **_bound(maxnreg))
     run()
     return run, out
 
@@ -82,7 +91,8 @@ def _launch_label(r: dict, split_key: str) -> str:
     """' / TPP t / BLOCK_N b / SPLIT s' of the settings a table row's launch sets (split_key: the
     row's key for its config's SPLIT)."""
     return "".join(f" / {name} {r[key]}" for name, key in
-                   (("TPP", "tpp"), ("BLOCK_N", "block_n"), ("SPLIT", split_key)) if r.get(key))
+                   (("TPP", "tpp"), ("BLOCK_N", "block_n"), ("SPLIT", split_key),
+                    ("maxnreg", "maxnreg")) if r.get(key))
 
 
 def write_results(args, name: str, rows: list[dict], header: str, line) -> int:
@@ -97,7 +107,8 @@ def write_results(args, name: str, rows: list[dict], header: str, line) -> int:
 
 def report(label, cfg, n, us, err) -> None:
     """One progress line of a launch-settings sweep."""
-    extra = "".join(f" {k} {v}" for k, v in zip(("TPP", "BLOCK_N", "SPLIT"), cfg[2:]) if v)
+    extra = "".join(f" {k} {v}" for k, v in zip(("TPP", "BLOCK_N", "SPLIT", "maxnreg"), cfg[2:])
+                    if v)
     print(f"   {label} w{cfg[0]} s{cfg[1]}{extra}: differ {n} rows, "
           f"{'-' if us is None else f'{us:.1f} us'}{'' if err is None else ' ' + err}",
           flush=True)
@@ -113,7 +124,8 @@ def measure(launch, case, cfg, ref):
         return None, None, f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
-def serial_launch(case, warps, stages, tpp=None, block_n=None, split=None, pages=None):
+def serial_launch(case, warps, stages, tpp=None, block_n=None, split=None, maxnreg=None,
+                  pages=None):
     """The leaf's serial schedule (every step of more than SPLIT_MAX_ROWS rows) with these launch
     settings: (run, output), as split_launch."""
     q, k, v, table, req, pos = case
@@ -125,7 +137,8 @@ def serial_launch(case, warps, stages, tpp=None, block_n=None, split=None, pages
 
     def run():
         rows_exp.torch_launch(ta.kernels().attention_serial_kernel, inputs, (out,), (t, c["HKV"]),
-                              num_warps=warps, num_stages=stages, enable_fp_fusion=False, **c)
+                              num_warps=warps, num_stages=stages, enable_fp_fusion=False, **c,
+                              **_bound(maxnreg))
     run()
     return run, out
 
@@ -135,41 +148,48 @@ def pages_ab(args, launch, cases, configs, name: str) -> int:
     loaded per tile (PAGES 0, today) and per split (the JENGINE_ATTENTION_PAGES=split experiment):
     rows differing between the two -- 0 expected, only the addresses' source changes -- and the
     device µs of each (a config's SPLIT, where it sets one, sizes its page window). The
-    control (SPLIT 128, or 64 where the config's is 128) must differ, so the comparison can fail."""
+    control (SPLIT 128, or 64 where the config's is 128) must differ, so the comparison can fail.
+    Each config's per-tile launch is also compared with the case's first config's (rows_vs_first:
+    0 where a config changes only launch settings, e.g. a register bound)."""
     rows = []
     for case_name, case in cases.items():
+        first = None
         for cfg in configs:
-            tpp, block_n, split = (list(cfg[2:5]) + [None, None, None])[:3]
+            tpp, block_n, split, maxnreg = (list(cfg[2:6]) + [None] * 4)[:4]
             pages = ta.pages_per_split(rows_exp.PAGE, split or ta.SPLIT)
             try:
                 run0, out0 = launch(case, *cfg, pages=0)
                 us0 = device_us(run0)
                 run1, out1 = launch(case, *cfg, pages=pages)
                 us1, n, err = device_us(run1), rows_exp.rows_differ(out0, out1), None
+                first = out0.clone() if first is None else first
+                vs_first = rows_exp.rows_differ(first, out0)
                 other = 128 if (split or ta.SPLIT) != 128 else 64  # another algorithm
                 control = rows_exp.rows_differ(out0, launch(
-                    case, cfg[0], cfg[1], tpp, block_n, other,
+                    case, cfg[0], cfg[1], tpp, block_n, other, maxnreg,
                     pages=ta.pages_per_split(rows_exp.PAGE, other))[1])  # its own page window
             except Exception as exc:  # noqa: BLE001 -- a config that does not compile is a result
-                us0 = us1 = n = control = None
+                us0 = us1 = n = control = vs_first = None
                 err = f"{type(exc).__name__}: {str(exc)[:200]}"
             rows.append(dict(case=case_name, warps=cfg[0], stages=cfg[1], tpp=tpp,
-                             block_n=block_n, split=split, pages=pages,
-                             rows_differ=n, control_rows_differ=control, us_tile=us0,
+                             block_n=block_n, split=split, maxnreg=maxnreg, pages=pages,
+                             rows_differ=n, control_rows_differ=control, rows_vs_first=vs_first,
+                             us_tile=us0,
                              us_split=us1, error=err))
             r = rows[-1]
             print(f"   {case_name} w{cfg[0]} s{cfg[1]}{_launch_label(r, 'split')}: page ids per "
-                  f"split vs per tile differ in {n} rows (control {control}); "
+                  f"split vs per tile differ in {n} rows (control {control}; per tile vs the "
+                  f"first config: {vs_first}); "
                   f"{'-' if us0 is None else f'{us0:.1f} -> {us1:.1f} us'}"
                   f"{'' if err is None else ' ' + err}", flush=True)
     def line(r):
         us = "-" if r["us_tile"] is None else f"{r['us_tile']:.1f} -> {r['us_split']:.1f}"
         return (f"| {r['case']} | {r['warps']} / {r['stages']}{_launch_label(r, 'split')} | "
                 f"{r['rows_differ'] if r['error'] is None else r['error']} "
-                f"({r['control_rows_differ']}) | {us} |\n")
+                f"({r['control_rows_differ']}) | {r.get('rows_vs_first')} | {us} |\n")
     return write_results(args, name, rows, "| case | warps / stages | rows differing, per split vs "
-                         "per tile (control) | µs per layer, per tile -> per split |\n"
-                         "|---|---|---|---|\n", line)
+                         "per tile (control) | per tile vs the first config | µs per layer, per "
+                         "tile -> per split |\n|---|---|---|---|---|\n", line)
 
 
 def serial_main(args) -> int:
@@ -196,6 +216,7 @@ def serial_main(args) -> int:
                          "tpp": cfg[2] if len(cfg) > 2 else None, "rows_differ": n,
                          "block_n": cfg[3] if len(cfg) > 3 else None,
                          "split": cfg[4] if len(cfg) > 4 else None,
+                         "maxnreg": cfg[5] if len(cfg) > 5 else None,
                          "us": us, "error": err})
             report(f"{name} serial", cfg, n, us, err)
     def line(r):
@@ -234,8 +255,9 @@ def main() -> int:
                    help="also time today's launch with these SPLIT sizes: other bits, so for "
                         "--numerics auto only (no contract there); rows differing are reported")
     p.add_argument("--configs", nargs="*", type=lambda c: tuple(int(v) for v in c.split(",")),
-                   help="WARPS,STAGES[,TPP[,BLOCK_N[,SPLIT]]] launches to sweep (default: a "
-                        "fixed set around today's; TPP 0 is the leaf's; another BLOCK_N or SPLIT "
+                   help="WARPS,STAGES[,TPP[,BLOCK_N[,SPLIT[,MAXNREG]]]] launches to sweep "
+                        "(default: a fixed set around today's; 0 is the leaf's value, for MAXNREG "
+                        "no register bound (torch launch only); another BLOCK_N or SPLIT "
                         "is another algorithm, other bits)")
     p.add_argument("--serial", action="store_true",
                    help="the serial schedule's launch settings instead (64 / 256 rows, prefill)")

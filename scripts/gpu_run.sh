@@ -95,7 +95,9 @@
 #                  the narrow tile and auto's wide one; the wide one also at SPLIT 512 / 1024: auto
 #                  has no bit contract, and a longer split fills its loads' pipeline once per split;
 #                  the split schedule also at SPLIT 128 / 64: more programs at bs 1, a longer merge,
-#                  which the merge's loads a split ahead may now pay for -- auto's lever)
+#                  which the merge's loads a split ahead may now pay for -- auto's lever; the
+#                  narrow serial launch also under Triton's maxnreg 128: 154 registers with the
+#                  page ids per split, 3 programs per SM where 128 fit 4 -- the bits must not move)
 #   pages_ab_auto / pages_ab_rl  a mode's model rows (decode bs 1 / 64 / 256, the 4096-token
 #                  prefill), today's and with the switch, in one call
 #   goldens_check_pages  the H200 goldens with the switch: every bit must be unchanged
@@ -403,7 +405,7 @@ for s in "$@"; do
     goldens_check_epilogues) JENGINE_GEMM_EPILOGUES=add_norm,swiglu step goldens_check_epilogues 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
     attention_pages_ab)  # page ids per tile vs per split, every launch: bits (0 rows expected), µs
       step attention_split_pages 150 python3 scripts/gpu_attention_split.py --pages-ab --configs 4,2 4,3 4,4 4,3,0,0,128 4,3,0,0,64 --out "$out/attention_split_pages"
-      step attention_serial_pages 240 python3 scripts/gpu_attention_split.py --serial --pages-ab --configs 4,2 4,3 4,4 4,2,16,64 4,3,16,64 4,4,16,64 8,3,16,64 4,3,16,64,512 4,3,16,64,1024 --out "$out/attention_serial_pages" ;;
+      step attention_serial_pages 240 python3 scripts/gpu_attention_split.py --serial --pages-ab --configs 4,2 4,3 4,4 4,3,0,0,0,128 4,2,16,64 4,3,16,64 4,4,16,64 8,3,16,64 4,3,16,64,512 4,3,16,64,1024 --out "$out/attention_serial_pages" ;;
     pages_ab_auto|pages_ab_rl)  # a mode's model rows, today's and with the page ids per split, on one machine
       numerics=auto; [ "$s" = pages_ab_rl ] && numerics=rl-bitwise
       step "model_${numerics}_pages_tile" 200 python3 -m jengine.cli bench --parts model --numerics "$numerics" --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_${numerics}_pages_tile"

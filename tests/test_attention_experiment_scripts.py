@@ -61,7 +61,8 @@ def test_pages_ab_gives_every_launch_its_own_page_window(monkeypatch, tmp_path):
     launch (no kernel) checks the window each launch is given against the split it runs."""
     seen = []
 
-    def launch(case, warps, stages, tpp=None, block_n=None, split=None, pages=None):
+    def launch(case, warps, stages, tpp=None, block_n=None, split=None, maxnreg=None,
+               pages=None):
         split = split or rows_exp.ta.SPLIT
         if pages:
             assert pages >= rows_exp.ta.pages_per_split(rows_exp.PAGE, split), (split, pages)
