@@ -35,7 +35,11 @@ measured 1.3-1.8x slower (split kernel at bs 1: 28.5 vs 16.0 us per layer; seria
 (below). On the H200 the tree does make one class (every (ROWS, warps) launch 0 rows differing,
 trainer alignment MATCH with the twin on the wide tile), but its reduction costs the narrow serial
 launch: decode bs 64 +10 %, so it stays off (docs/performance.md, eighteenth session). The dot (the
-row sum taken by an MMA) is the nineteenth session's candidate.
+row sum taken by an MMA, the nineteenth session's) is **the definition since the twenty-second
+session**: on the H200 every (ROWS, warps) launch gives 0 differing rows, the trainer alignment
+MATCHes with the twin on the wide tile, the production harness passes, and rl-bitwise's 4096-token
+prefill takes the wide tile (172.6 -> 147.9 ms) for decode +0-3 % (docs/performance.md).
+`JENGINE_ATTENTION_ROWSUM=triton` gives back Triton's own sum (the older definition).
 
 Where the K/V rows come from is not part of the algorithm: `JENGINE_ATTENTION_PAGES=split` (an
 experiment, off) loads each split's page ids once instead of each tile's inside the tile loop, so
@@ -74,12 +78,11 @@ MIN_ROWS = 16  # tl.dot needs >= 16 rows: GQA groups smaller than 16 are packed 
 SPLIT_MAX_ROWS = 32  # steps of at most this many token rows use the split schedule (H200: split
 # wins at 1 and 16 decode rows, serial at 64 and 256; docs/performance.md)
 NUM_WARPS, NUM_STAGES = 4, 2
-# JENGINE_ATTENTION_ROWSUM=tree / dot -- experiments, off by default, another numerics definition
-# each: every launch, the engine's and the trainer twin's alike, sums a row's p over a KV tile with
+# JENGINE_ATTENTION_ROWSUM=dot (the default) / tree / triton -- a numerics definition each: every launch, the engine's and the trainer twin's alike, sums a row's p over a KV tile with
 # the halving tree or an MMA (the kernels' ROWSUM codes, _row_sum) instead of Triton's reduction,
 # whose order follows the (ROWS, warps) layout. That makes a row's bits independent of the layout
 # (H200, the tree: attention_rows_tree, accept_llama_tree), so under the switch rl-bitwise's
-# prefill steps take the wide tile too (gpu_run.sh rowsum_ab_<form>). Off: see the docstring.
+# prefill steps take the wide tile too (gpu_run.sh rowsum_ab_<form>). The docstring says why dot.
 ROWSUM_ENV = "JENGINE_ATTENTION_ROWSUM"
 # JENGINE_ATTENTION_PAGES=split -- an experiment, off by default, the same bits: each split's page
 # ids loaded once and every tile's K/V copies issued a tile ahead, on PAGES_STAGES pipeline stages
@@ -185,7 +188,7 @@ def _check(q, k_cache, v_cache):
 
 
 ROWSUM_FORMS = {"triton": 0, "tree": 1, "dot": 2}  # the kernels' ROWSUM_* codes
-DEFAULT_ROWSUM = "triton"
+DEFAULT_ROWSUM = "dot"  # the definition since the twenty-second session (H200: one bit class)
 
 
 def rowsum_form() -> int:

@@ -4,8 +4,9 @@ scripts/gpu_attention_split.py once took `--rowsum-tree` and set an attribute no
 device call "measured the tree" twice on Triton's sum (docs/gpu-validation.md, eighteenth
 session). Here the scripts' own launch helpers run one small decode step under each `--rowsum`
 form: the forms must give other bits (the flag reached the kernel), each form's split schedule
-must equal its serial one (the scripts compare launches within a form), and Triton's form must
-equal the leaf's own launch (the scripts' reference is the engine's).
+must equal its serial one (the scripts compare launches within a form), and the default form must
+equal the leaf's own launch with the variable unset (the default form; the scripts' reference is
+the engine's).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def test_the_rowsum_flag_reaches_the_launches(monkeypatch, case):
     q, k, v, table, req, pos = case
     leaf = rows_exp.ta.paged_attention_triton_torch(q, (k, v), table, req, pos,
                                                     scale=rows_exp.D ** -0.5, schedule="split")
-    assert rows_exp.rows_differ(leaf, outs["triton"][0]) == 0
+    assert rows_exp.rows_differ(leaf, outs[rows_exp.ta.DEFAULT_ROWSUM][0]) == 0  # env unset
 
 
 def test_pages_ab_gives_every_launch_its_own_page_window(monkeypatch, tmp_path):
