@@ -78,10 +78,11 @@ MIN_ROWS = 16  # tl.dot needs >= 16 rows: GQA groups smaller than 16 are packed 
 SPLIT_MAX_ROWS = 32  # steps of at most this many token rows use the split schedule (H200: split
 # wins at 1 and 16 decode rows, serial at 64 and 256; docs/performance.md)
 NUM_WARPS, NUM_STAGES = 4, 2
-# JENGINE_ATTENTION_ROWSUM=dot (the default) / tree / triton -- a numerics definition each: every launch, the engine's and the trainer twin's alike, sums a row's p over a KV tile with
-# the halving tree or an MMA (the kernels' ROWSUM codes, _row_sum) instead of Triton's reduction,
-# whose order follows the (ROWS, warps) layout. That makes a row's bits independent of the layout
-# (H200, the tree: attention_rows_tree, accept_llama_tree), so under the switch rl-bitwise's
+# JENGINE_ATTENTION_ROWSUM=dot (the default) / tree / triton -- a numerics definition each: every
+# launch, the engine's and the trainer twin's alike, sums a row's p over a KV tile with an MMA or
+# the halving tree (the kernels' ROWSUM codes, _row_sum), or with Triton's reduction, whose order
+# follows the (ROWS, warps) layout. The first two make a row's bits independent of the layout
+# (H200: attention_rows_tree / _dot, accept_llama_tree / _dot), so under them rl-bitwise's
 # prefill steps take the wide tile too (gpu_run.sh rowsum_ab_<form>). The docstring says why dot.
 ROWSUM_ENV = "JENGINE_ATTENTION_ROWSUM"
 # JENGINE_ATTENTION_PAGES=split -- an experiment, off by default, the same bits: each split's page

@@ -62,9 +62,9 @@ def split_launch(case, warps, stages, tpp=None, block_n=None, split=None, maxnre
                  pages=None):
     """The leaf's split schedule with these launch settings (tpp: tokens per program, the leaf's
     by default or at 0; block_n / split: another algorithm, other bits; maxnreg: see _bound;
-    pages: see _launch_constexprs): (run, output). `run` launches the kernel on buffers made once -- its
-    counters zeroed once: each launch leaves them zero, as in the engine's step -- so a CUDA graph
-    of it times the device."""
+    pages: see _launch_constexprs): (run, output). `run` launches the kernel on buffers made
+    once -- its counters zeroed once: each launch leaves them zero, as in the engine's step --
+    so a CUDA graph of it times the device."""
     q, k, v, table, req, pos = case
     c = _launch_constexprs(q, k, tpp, block_n, split, pages)
     tiles = ta.tiles_torch(req, pos, c["TPP"])
@@ -174,8 +174,7 @@ def pages_ab(args, launch, cases, configs, name: str) -> int:
             rows.append(dict(case=case_name, warps=cfg[0], stages=cfg[1], tpp=tpp,
                              block_n=block_n, split=split, maxnreg=maxnreg, pages=pages,
                              rows_differ=n, control_rows_differ=control, rows_vs_first=vs_first,
-                             us_tile=us0,
-                             us_split=us1, error=err))
+                             us_tile=us0, us_split=us1, error=err))
             r = rows[-1]
             print(f"   {case_name} w{cfg[0]} s{cfg[1]}{_launch_label(r, 'split')}: page ids per "
                   f"split vs per tile differ in {n} rows (control {control}; per tile vs the "

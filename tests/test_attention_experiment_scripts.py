@@ -68,7 +68,8 @@ def test_pages_ab_gives_every_launch_its_own_page_window(monkeypatch, tmp_path):
         if pages:
             assert pages >= rows_exp.ta.pages_per_split(rows_exp.PAGE, split), (split, pages)
         seen.append((split, pages))
-        return (lambda: None), torch.full((2, rows_exp.HQ, rows_exp.D), float(split), dtype=torch.bfloat16)
+        out = torch.full((2, rows_exp.HQ, rows_exp.D), float(split), dtype=torch.bfloat16)
+        return (lambda: None), out
 
     args = type("Args", (), {"out": str(tmp_path), "smoke": True})()
     monkeypatch.setattr(split_exp, "device_us", lambda run: 0.0)  # timings are not checked here

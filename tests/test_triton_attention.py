@@ -358,11 +358,11 @@ def layout_free_rowsum(request, monkeypatch):
 
 
 def test_the_rowsum_switch_plans_the_form_and_the_wide_prefill_tile(monkeypatch):
-    """JENGINE_ATTENTION_ROWSUM: unset, the dot (the default); "triton", every launch sums Triton's
-    way and only auto's leaf widens a prefill (its rows and its KV tile); "tree" or "dot", every launch (engine and twin: one
-    _plan) takes that form and the batch-invariant leaf's prefill steps the wide rows too, on the
-    definition's KV tile, while decode steps keep theirs. Another value is refused, naming the
-    variable and the value."""
+    """JENGINE_ATTENTION_ROWSUM: unset, the dot (the default); "triton", every launch sums
+    Triton's way and only auto's leaf widens a prefill (its rows and its KV tile); "tree" or
+    "dot", every launch (engine and twin: one _plan) takes that form and the batch-invariant
+    leaf's prefill steps the wide rows too, on the definition's KV tile, while decode steps keep
+    theirs. Another value is refused, naming the variable and the value."""
     q = torch.zeros((512, 32, 128), dtype=torch.bfloat16)
     pool = torch.zeros((8, 16, 8, 128), dtype=torch.bfloat16)
     monkeypatch.delenv(ta.ROWSUM_ENV, raising=False)  # unset: the default, the dot
