@@ -98,11 +98,11 @@ def _split_state(q, row_pos, max_pos, req, split, bt_ptr, k_ptr, v_ptr, page_siz
                  ROWSUM: tl.constexpr, PAGES: tl.constexpr):
     """Online softmax over the KV tiles of one split, for every row. Returns (m, l, acc).
 
-    Where a tile's K/V rows are: PAGES 0 (every launch today) loads each tile's page ids inside
-    the tile loop, so its K/V copies wait on a load issued in the same iteration and Triton's
-    pipeliner cannot run them ahead of the compute (sm_90 TTGIR: every iteration begins by
-    waiting for all its copies). PAGES > 0 (an experiment, JENGINE_ATTENTION_PAGES=split): the
-    split's PAGES page ids (a power of two covering the pages a split spans) in one load before
+    Where a tile's K/V rows are: PAGES 0 (JENGINE_ATTENTION_PAGES=tile) loads each tile's page ids
+    inside the tile loop, so its K/V copies wait on a load issued in the same iteration and
+    Triton's pipeliner cannot run them ahead of the compute (sm_90 TTGIR: every iteration begins
+    by waiting for all its copies). PAGES > 0 (every launch by default since the twenty-third
+    session; triton_attention.paged plans it): the split's PAGES page ids (a power of two covering the pages a split spans) in one load before
     the loop, each tile's taken from them with tl.gather; with 3 stages the copies of tile i + 1
     are then in flight while tile i computes. Only where the addresses come from changes: the
     same K/V values enter the same arithmetic (the same bits)."""
@@ -193,7 +193,7 @@ def _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0, max_pos, row_po
     """Every live split's stored state (split s at base0 + s * ROWS) folded in split order, as the
     serial kernel folds them: the split and the serial schedules share this order and `_merge`.
     CACHE: the loads' cache modifier ("" in a kernel of its own; ".cg" where other programs of
-    the same launch wrote the state). AHEAD (with JENGINE_ATTENTION_PAGES=split): split s + 1's
+    the same launch wrote the state). AHEAD (with the page ids per split): split s + 1's
     state is loaded before split s is merged, so its latency hides behind the merge (Triton does
     not pipeline these loads itself: plain synchronous loads in the sm_90 TTGIR); the same values
     are merged in the same order (the same bits)."""

@@ -2,8 +2,8 @@
 
 Every Triton leaf is one `@triton.jit` source (pallas_kernels/_triton_*kernels.py) with two hosts:
 `jax_launch` goes through jax-triton's `triton_call` (an XLA custom call), `torch_launch` through
-Triton's own launcher on torch tensors. Both pass the same constexprs, num_warps and num_stages, so
-they compile the same program.
+Triton's own launcher on torch tensors. Both pass the same constexprs, num_warps, num_stages and
+register bound (maxnreg), so they compile the same program.
 
 Nothing here imports triton, jax_triton or torch at module import: the CPU machines have none of
 the first two, and serving never needs torch.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib.util
+import threading
 from typing import Any, Sequence
 
 import jax
@@ -134,9 +135,52 @@ def restate_as_ffi(op):
     return new
 
 
+# Triton's `maxnreg` (a launch's register bound, PTX .maxnreg): jax-triton 0.3.1 has no argument
+# for it, so jax_launch carries it as the primitive parameter MAXNREG_PARAM, which our lowering
+# takes off before jax-triton's own runs and compiles the kernel with a backend whose options add
+# it. jax-triton's compile cache keys on neither, so a bounded launch compiles under a cache of its
+# own bound (swapped in for the call, under a lock: two lowerings at once would see each other's).
+MAXNREG_PARAM = "jengine_maxnreg"
+_BOUNDED_CACHES: dict[int, dict] = {}
+_LOWERING_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def _bounded_backend(lib, maxnreg: int | None):
+    """jax-triton's CUDA backend factory, with `maxnreg` in every option set it parses."""
+    if not maxnreg:
+        yield lib.get_cuda_backend
+        return
+
+    def backend_init(device, compute_capability):
+        backend = lib.get_cuda_backend(device, compute_capability)
+        parse = backend.parse_options
+        backend.parse_options = lambda options: parse({**options, "maxnreg": maxnreg})
+        return backend
+
+    shared = lib._COMPILED_KERNEL_CACHE
+    lib._COMPILED_KERNEL_CACHE = _BOUNDED_CACHES.setdefault(maxnreg, {})
+    try:
+        yield backend_init
+    finally:
+        lib._COMPILED_KERNEL_CACHE = shared
+
+
+def _lower(lib, ctx, *args, custom_call_target_name, **params):
+    """jax-triton's lowering of one Triton call (`lib`: jax_triton.triton_lib), with the register
+    bound the launch asks for (MAXNREG_PARAM); a call whose target is FFI_TARGET is lowered as a
+    legacy one (jax-triton spells every call so), then restated as a typed-FFI one."""
+    maxnreg = params.pop(MAXNREG_PARAM, None)
+    ffi = custom_call_target_name == FFI_TARGET
+    with _LOWERING_LOCK, _bounded_backend(lib, maxnreg) as backend_init:
+        results = lib.triton_kernel_call_lowering(
+            backend_init, ctx, *args,
+            custom_call_target_name=LEGACY_TARGET if ffi else custom_call_target_name, **params)
+    return restate_as_ffi(results[0].owner).results if ffi else results
+
+
 def _register_ffi_lowering(jt) -> None:
-    """Lower calls whose target is FFI_TARGET through jax-triton's own lowering (which compiles the
-    kernel and builds the proto), then restate the custom call as a typed-FFI one."""
+    """Lower jax-triton's calls on CUDA through `_lower` (once per process)."""
     global _ffi_lowering_registered
     if _ffi_lowering_registered:
         return
@@ -145,16 +189,8 @@ def _register_ffi_lowering(jt) -> None:
     from jax.interpreters import mlir
 
     lib = jt.triton_lib
-    base = functools.partial(lib.triton_kernel_call_lowering, lib.get_cuda_backend)
-
-    def lowering(ctx, *args, custom_call_target_name, **params):
-        if custom_call_target_name != FFI_TARGET:
-            return base(ctx, *args, custom_call_target_name=custom_call_target_name, **params)
-        # jax-triton spells every call as a legacy one: build that, then restate it.
-        results = base(ctx, *args, custom_call_target_name=LEGACY_TARGET, **params)
-        return restate_as_ffi(results[0].owner).results
-
-    mlir.register_lowering(lib.triton_kernel_call_p, lowering, platform="cuda")
+    mlir.register_lowering(lib.triton_kernel_call_p, functools.partial(_lower, lib),
+                           platform="cuda")
     _ffi_lowering_registered = True
 
 
@@ -206,11 +242,12 @@ def _give_counters(buffer) -> None:
 
 
 def jax_launch(kernel, inputs: Sequence[Any], out_shapes, grid, *, num_warps: int,
-               num_stages: int, enable_fp_fusion: bool = True,
+               num_stages: int, enable_fp_fusion: bool = True, maxnreg: int | None = None,
                input_output_aliases: dict[int, int] | None = None, **constexprs):
     """Launch `kernel` from JAX. `inputs` are arrays and Python scalars, in kernel order; a
     `Counters` may be the last (see there).
     enable_fp_fusion=False: no mul+add contraction (LLVM contract off, ptxas --fmad=false).
+    maxnreg: a register bound (MAXNREG_PARAM says how it gets to the compiler).
     input_output_aliases: {array input index: output index}, an output that is its input's buffer
     (updated in place where XLA can donate it; the kernel gets both pointers)."""
     jt = import_jax_triton()
@@ -226,6 +263,8 @@ def jax_launch(kernel, inputs: Sequence[Any], out_shapes, grid, *, num_warps: in
         aliases[sum(not isinstance(a, (bool, int, float, np.floating)) for a in inputs) - 1] = \
             len(outs)
         outs.append(jax.ShapeDtypeStruct(buffer.shape, jnp.int32))
+    if maxnreg:
+        constexprs[MAXNREG_PARAM] = maxnreg
     results = jt.triton_call(*inputs, kernel=kernel, out_shape=tuple(outs), grid=grid,
                              num_warps=num_warps, num_stages=num_stages,
                              enable_fp_fusion=enable_fp_fusion, input_output_aliases=aliases,
@@ -237,9 +276,11 @@ def jax_launch(kernel, inputs: Sequence[Any], out_shapes, grid, *, num_warps: in
 
 
 def torch_launch(kernel, inputs: Sequence[Any], outputs: Sequence[Any], grid, *, num_warps: int,
-                 num_stages: int, enable_fp_fusion: bool = True, **constexprs):
+                 num_stages: int, enable_fp_fusion: bool = True, maxnreg: int | None = None,
+                 **constexprs):
     """Launch the same `kernel` on torch tensors (outputs preallocated by the caller). A last
-    input `Counters` becomes a zeroed int32 tensor, passed as the last output too."""
+    input `Counters` becomes a zeroed int32 tensor, passed as the last output too. maxnreg: a
+    register bound (Triton's launcher takes it directly)."""
     inputs = list(inputs)
     extra = ()
     if inputs and isinstance(inputs[-1], Counters):
@@ -248,8 +289,9 @@ def torch_launch(kernel, inputs: Sequence[Any], outputs: Sequence[Any], grid, *,
         device = next(a.device for a in inputs if isinstance(a, torch.Tensor))
         inputs[-1] = torch.zeros(inputs[-1].size, dtype=torch.int32, device=device)
         extra = (inputs[-1],)
+    bound = {"maxnreg": maxnreg} if maxnreg else {}
     kernel[grid](*inputs, *outputs, *extra, num_warps=num_warps, num_stages=num_stages,
-                 enable_fp_fusion=enable_fp_fusion, **constexprs)
+                 enable_fp_fusion=enable_fp_fusion, **bound, **constexprs)
     return outputs
 
 

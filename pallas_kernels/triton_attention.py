@@ -41,14 +41,14 @@ MATCHes with the twin on the wide tile, the production harness passes, and rl-bi
 prefill takes the wide tile (172.6 -> 147.9 ms) for decode +0-3 % (docs/performance.md).
 `JENGINE_ATTENTION_ROWSUM=triton` gives back Triton's own sum (the older definition).
 
-Where the K/V rows come from is not part of the algorithm: `JENGINE_ATTENTION_PAGES=split` (an
-experiment, off) loads each split's page ids once instead of each tile's inside the tile loop, so
-Triton's pipeliner can issue a tile's K/V copies while the previous tile computes (today's loop
-waits for every copy at the top of every iteration: the kernels' `_split_state`), and the split
-launch's last program loads split s + 1's stored state before merging split s (`_merge_partials`,
-AHEAD: Triton issues those loads synchronously otherwise). Every launch's
-sm_90 PTX keeps the same float instructions in the same order (scripts/triton_aot_check.py
---same-float-ops, in CI) and the interpreter gives the same bits; the H200 has not timed it yet.
+Where the K/V rows come from is not part of the algorithm: with the page ids per split (the
+default, planned per launch by `paged`: JENGINE_ATTENTION_PAGES below) a split's page ids are
+loaded once instead of each tile's inside the tile loop, so Triton's pipeliner can issue a tile's
+K/V copies while the previous tile computes, and the split launch's last program loads split
+s + 1's stored state before merging split s (`_merge_partials`, AHEAD). Every launch's sm_90 PTX
+keeps the same float instructions in the same order (scripts/triton_aot_check.py
+--same-float-ops, in CI), the interpreter gives the same bits, and the H200's goldens are unchanged
+under it (docs/performance.md, twenty-third session: decode -2 to -6 %, prefill -1 %, both modes).
 
 These bits are *not* the portable `fixed_order` leaf's (pallas_kernels/attention.py, f32 p . v, one
 max over the whole context): on a GPU the rl-bitwise plan and trainer mode's twin table both pick
@@ -85,15 +85,24 @@ NUM_WARPS, NUM_STAGES = 4, 2
 # (H200: attention_rows_tree / _dot, accept_llama_tree / _dot), so under them rl-bitwise's
 # prefill steps take the wide tile too (gpu_run.sh rowsum_ab_<form>). The docstring says why dot.
 ROWSUM_ENV = "JENGINE_ATTENTION_ROWSUM"
-# JENGINE_ATTENTION_PAGES=split -- an experiment, off by default, the same bits: each split's page
-# ids loaded once and every tile's K/V copies issued a tile ahead, on PAGES_STAGES pipeline stages
-# (the kernels' _split_state says why today's loop cannot overlap them), and the split merge's
-# loads a split ahead (_merge_partials). Only where the addresses
-# come from changes, so a launch gives the same bits either way (tests/test_triton_attention.py
-# under the interpreter; gpu_run.sh attention_pages_ab and pages_ab_auto / pages_ab_rl time it,
-# goldens_check_pages checks the H200's bits).
-PAGES_ENV, PAGES_STAGES = "JENGINE_ATTENTION_PAGES", 3
-PAGES_FORMS = ("tile", "split")
+# JENGINE_ATTENTION_PAGES -- where a launch's K/V page ids come from; never the bits (only the
+# addresses' source changes: tests/test_triton_attention.py under the interpreter, goldens_check
+# and goldens_check_pages on the GPU). "tile": each tile's page ids loaded inside the tile loop
+# (the only form before the twenty-third session; Triton's pipeliner then cannot overlap a tile's
+# copies with the previous tile's compute: the kernels' _split_state). "split": each split's page
+# ids loaded once, every tile's K/V copies issued a tile ahead on PAGES_STAGES stages, and the
+# split merge's loads a split ahead (_merge_partials). "planned" (the default) per launch, from
+# the µs per layer measured (twenty-second session H200 on Triton's sum, twenty-third H100 on the
+# dot; tile -> split): the split schedule (H200 bs 1 x 1024 15.7 -> 13.5; H100 14.1 -> 14.2) and
+# rl-bitwise's wide tile (H100 4096-token prefill 1103.7 -> 996.9) as "split"; the narrow serial
+# launch under a bound of PAGES_MAXNREG registers (unbounded it took 154, 3 programs per SM where 4
+# fit, and lost on the H200: 81.3 -> 102.1 at 64 rows; bounded 76.3, 256 rows 306.2 -> 279.8; H100
+# 101.1 -> 100.2, 379.5 -> 368.3); auto's wide tile (64-position KV tiles) on NUM_STAGES stages (on
+# 3 it lost, H100 949.4 -> 1327.9; on 2 916.6). Not planned anywhere: a wide tile at SPLIT 512
+# with the page ids per split hit an illegal memory access (H200 and H100; the narrow tile at
+# SPLIT 512 did not; cause not found: gpu_run.sh pages_crash).
+PAGES_ENV, PAGES_STAGES, PAGES_MAXNREG = "JENGINE_ATTENTION_PAGES", 3, 128
+PAGES_FORMS = ("planned", "tile", "split")
 # triton_wide_prefill (auto only): query rows per program on steps of >= WIDE_MIN_TOKENS rows. At
 # 256 decode rows the wide tile measured 2x slower (630 vs 306 us per layer: one token per tile).
 # Auto has no bit contract, so its wide tile also reads KV in tiles of WIDE_BLOCK_N positions: -4
@@ -204,8 +213,8 @@ def rowsum_form() -> int:
 
 
 def pages_form() -> str:
-    """Where the tiles' page ids come from, as JENGINE_ATTENTION_PAGES asks: unset or "" "tile"
-    (today), "split" the experiment. Another value is an error naming the variable and value."""
+    """JENGINE_ATTENTION_PAGES (see there): unset or "" the default ("planned"). Another value is
+    an error naming the variable and the value."""
     value = os.environ.get(PAGES_ENV) or PAGES_FORMS[0]
     if value not in PAGES_FORMS:
         raise ValueError(f"{PAGES_ENV}={value!r}: expected one of {list(PAGES_FORMS)} "
@@ -224,16 +233,33 @@ def pages_per_split(page_size: int, split: int = SPLIT) -> int:
 
 
 def _constexprs(q, k_cache) -> dict:
+    """The constexprs of a launch on the narrow tile, page ids per tile (_plan sets the rest)."""
     geo = geometry(q.shape[1], k_cache.shape[2], q.shape[2])
-    pages = pages_per_split(k_cache.shape[1]) if pages_form() == "split" else 0
     return dict(geo, BLOCK_N=BLOCK_N, SPLIT=SPLIT, IEEE=dtype_name(q.dtype) == "f32",
-                ROWSUM=rowsum_form(), PAGES=pages)
+                ROWSUM=rowsum_form(), PAGES=0)
 
 
-def launch_options(c: dict) -> dict:
-    """num_warps / num_stages / fp fusion of a launch with constexprs c (both hosts)."""
-    stages = PAGES_STAGES if c["PAGES"] else NUM_STAGES
-    return dict(num_warps=NUM_WARPS, num_stages=stages, enable_fp_fusion=False)
+def launch_options(c: dict, maxnreg: int | None = None, stages: int | None = None) -> dict:
+    """num_warps / num_stages / fp fusion (and a register bound) of a launch with constexprs c,
+    both hosts; stages: another count than the page-ids form's."""
+    stages = stages or (PAGES_STAGES if c["PAGES"] else NUM_STAGES)
+    bound = {"maxnreg": maxnreg} if maxnreg else {}
+    return dict(num_warps=NUM_WARPS, num_stages=stages, enable_fp_fusion=False, **bound)
+
+
+def paged(c: dict, schedule: str, page_size: int) -> tuple[dict, dict]:
+    """(constexprs, launch options) of a launch with constexprs c on `schedule`, with its page ids
+    where JENGINE_ATTENTION_PAGES puts them (the "planned" form: see there)."""
+    form = pages_form()
+    if form == "tile":
+        return c, launch_options(c)
+    c = dict(c, PAGES=pages_per_split(page_size, c["SPLIT"]))
+    if form == "split":
+        return c, launch_options(c)
+    narrow_serial = schedule == "serial" and c["TPP"] * c["GP"] == max(MIN_ROWS, c["GP"])
+    autos_kv_tile = c["BLOCK_N"] == WIDE_BLOCK_N != BLOCK_N
+    return c, launch_options(c, PAGES_MAXNREG if narrow_serial else None,
+                             NUM_STAGES if autos_kv_tile else None)
 
 
 def wide_tpp(c: dict, num_tokens: int, schedule: str) -> int:
@@ -256,14 +282,15 @@ def widened(c: dict, num_tokens: int, schedule: str, auto: bool) -> dict:
     return dict(c, TPP=tpp, BLOCK_N=WIDE_BLOCK_N if own_kv_tile else c["BLOCK_N"])
 
 
-def _plan(q, k_cache, schedule: str | None, wide: bool) -> tuple[str, dict]:
-    """(schedule, constexprs) of a step of q.shape[0] token rows: both hosts launch from this."""
+def _plan(q, k_cache, schedule: str | None, wide: bool) -> tuple[str, dict, dict]:
+    """(schedule, constexprs, launch options) of a step of q.shape[0] token rows: both hosts launch
+    from this."""
     t = q.shape[0]
     c = _constexprs(q, k_cache)
     schedule = schedule or schedule_for(t)
     if wide or c["ROWSUM"]:  # under a layout-free row sum, every leaf's prefill is wide
         c = widened(c, t, schedule, auto=wide)
-    return schedule, c
+    return (schedule, *paged(c, schedule, k_cache.shape[1]))
 
 
 def paged_attention_triton(q, kv, block_tables, token_req, positions, *, scale,
@@ -273,14 +300,13 @@ def paged_attention_triton(q, kv, block_tables, token_req, positions, *, scale,
     k_cache, v_cache = kv
     _check(q, k_cache, v_cache)
     t = q.shape[0]
-    schedule, c = _plan(q, k_cache, schedule, wide)
+    schedule, c, launch = _plan(q, k_cache, schedule, wide)
     page_size, width = k_cache.shape[1], block_tables.shape[1]
     positions = positions.astype(jnp.int32)
     tiles = tiles_jax(token_req, positions, c["TPP"])
     inputs = (q, k_cache, v_cache, block_tables.astype(jnp.int32), positions, tiles, t, page_size,
               width, np.float32(scale))
     out = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    launch = launch_options(c)
     k = kernels()
     if schedule == "serial":
         return jax_launch(k.attention_serial_kernel, inputs, out, (t, c["HKV"]), **launch, **c)
@@ -333,7 +359,7 @@ def paged_attention_triton_torch(q, kv, block_tables, token_req, positions, *, s
     block_tables = contiguous(block_tables.to(torch.int32))
     positions = contiguous(positions.to(torch.int32))
     t = q.shape[0]
-    schedule, c = _plan(q, k_cache, schedule, wide)
+    schedule, c, launch = _plan(q, k_cache, schedule, wide)
     page_size, width = k_cache.shape[1], block_tables.shape[1]
     tiles = tiles_torch(token_req, positions, c["TPP"])
     inputs = (q, k_cache, v_cache, block_tables, positions, tiles, t, page_size, width,
@@ -341,7 +367,6 @@ def paged_attention_triton_torch(q, kv, block_tables, token_req, positions, *, s
     out = torch.empty_like(q)
     if t == 0:
         return out
-    launch = launch_options(c)
     k = kernels()
     if schedule == "serial":
         torch_launch(k.attention_serial_kernel, inputs, (out,), (t, c["HKV"]), **launch, **c)

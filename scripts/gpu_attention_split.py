@@ -145,7 +145,8 @@ def serial_launch(case, warps, stages, tpp=None, block_n=None, split=None, maxnr
 
 def pages_ab(args, launch, cases, configs, name: str) -> int:
     """--pages-ab: every config launched twice on the same buffers' values, with the page ids
-    loaded per tile (PAGES 0, today) and per split (the JENGINE_ATTENTION_PAGES=split experiment):
+    loaded per tile (PAGES 0) and per split (JENGINE_ATTENTION_PAGES; the leaf's default since the
+    twenty-third session, where its plan puts them):
     rows differing between the two -- 0 expected, only the addresses' source changes -- and the
     device µs of each (a config's SPLIT, where it sets one, sizes its page window). The
     control (SPLIT 128, or 64 where the config's is 128) must differ, so the comparison can fail.
@@ -157,20 +158,23 @@ def pages_ab(args, launch, cases, configs, name: str) -> int:
         for cfg in configs:
             tpp, block_n, split, maxnreg = (list(cfg[2:6]) + [None] * 4)[:4]
             pages = ta.pages_per_split(rows_exp.PAGE, split or ta.SPLIT)
+            phase = "page ids per tile"  # which launch failed, where one does
             try:
                 run0, out0 = launch(case, *cfg, pages=0)
                 us0 = device_us(run0)
+                phase = "page ids per split"
                 run1, out1 = launch(case, *cfg, pages=pages)
                 us1, n, err = device_us(run1), rows_exp.rows_differ(out0, out1), None
                 first = out0.clone() if first is None else first
                 vs_first = rows_exp.rows_differ(first, out0)
                 other = 128 if (split or ta.SPLIT) != 128 else 64  # another algorithm
+                phase = f"the control (SPLIT {other})"
                 control = rows_exp.rows_differ(out0, launch(
                     case, cfg[0], cfg[1], tpp, block_n, other, maxnreg,
                     pages=ta.pages_per_split(rows_exp.PAGE, other))[1])  # its own page window
             except Exception as exc:  # noqa: BLE001 -- a config that does not compile is a result
                 us0 = us1 = n = control = vs_first = None
-                err = f"{type(exc).__name__}: {str(exc)[:200]}"
+                err = f"{phase}: {type(exc).__name__}: {str(exc)[:200]}"
             rows.append(dict(case=case_name, warps=cfg[0], stages=cfg[1], tpp=tpp,
                              block_n=block_n, split=split, maxnreg=maxnreg, pages=pages,
                              rows_differ=n, control_rows_differ=control, rows_vs_first=vs_first,
@@ -261,8 +265,8 @@ def main() -> int:
     p.add_argument("--serial", action="store_true",
                    help="the serial schedule's launch settings instead (64 / 256 rows, prefill)")
     p.add_argument("--pages-ab", action="store_true",
-                   help="each config with the page ids per tile (today) and per split "
-                        "(JENGINE_ATTENTION_PAGES=split): rows differing (0 expected) and µs")
+                   help="each config with the page ids per tile and per split "
+                        "(JENGINE_ATTENTION_PAGES): rows differing (0 expected) and µs")
     p.add_argument("--rowsum", choices=sorted(ta.ROWSUM_FORMS),
                    default=os.environ.get(ta.ROWSUM_ENV) or ta.DEFAULT_ROWSUM,
                    help="every launch's row sum: tree / dot are the layout-free experiments "

@@ -87,20 +87,21 @@
 #                  sequences on the wide tile, the engine decodes on the narrow one, so MATCH
 #                  means the layout no longer reaches the bits; harness_prod_llama_<form> after it
 #   goldens_record_dot  goldens.py record on the dot sum ($out/h200_dot.json)
-#   The page ids per split (JENGINE_ATTENTION_PAGES=split, an experiment that keeps every bit: each
-#   split's page ids loaded once so the tiles' K/V copies run a tile ahead, on 3 stages):
-#   attention_pages_ab  every decode / prefill launch with its page ids per tile (today) and per
-#                  split: rows differing (0 expected) and µs of each (scripts/gpu_attention_split.py
-#                  --pages-ab; split: bs 1 / 16, serial: 64 / 256 rows and a 4096-token prefill,
-#                  the narrow tile and auto's wide one; the wide one also at SPLIT 512 / 1024: auto
-#                  has no bit contract, and a longer split fills its loads' pipeline once per split;
-#                  the split schedule also at SPLIT 128 / 64: more programs at bs 1, a longer merge,
-#                  which the merge's loads a split ahead may now pay for -- auto's lever; the
-#                  narrow serial launch also under Triton's maxnreg 128: 154 registers with the
-#                  page ids per split, 3 programs per SM where 128 fit 4 -- the bits must not move)
+#   The page ids per split (JENGINE_ATTENTION_PAGES: "planned", the default since the twenty-third
+#   session, "tile" the older form, "split" every launch; the same bits every way: each split's
+#   page ids loaded once so the tiles' K/V copies run a tile ahead, on 3 stages):
+#   attention_pages_ab  every decode / prefill launch with its page ids per tile and per split:
+#                  rows differing (0 expected) and µs of each (scripts/gpu_attention_split.py
+#                  --pages-ab; split: bs 1 / 16, also at SPLIT 128 / 64 (auto's lever); serial:
+#                  64 / 256 rows and a 4096-token prefill, the narrow tile (also under Triton's
+#                  maxnreg 128, as planned), rl-bitwise's wide tile (TPP 16, BLOCK_N 32) and auto's
+#                  (BLOCK_N 64))
+#   pages_crash    auto's wide tile at SPLIT 512 with the page ids per split (an illegal memory
+#                  access on the H200 and the H100): each suspect launch in its own process,
+#                  CUDA_LAUNCH_BLOCKING=1; the error names the launch that failed
 #   pages_ab_auto / pages_ab_rl  a mode's model rows (decode bs 1 / 64 / 256, the 4096-token
-#                  prefill), today's and with the switch, in one call
-#   goldens_check_pages  the H200 goldens with the switch: every bit must be unchanged
+#                  prefill) with the page ids per tile and as planned, in one call
+#   goldens_check_pages  the H200 goldens with the page ids per split in every launch
 #   attention_one_warp  the split and serial schedules' decode rows at 1 warp (µs, bits vs today)
 #   attention_tpp16  the same with 16 tokens per program (ROWS 64 on 4 warps) at every step
 #   mla_digest     scripts/gpu_mla_digest.py: SHA-256 of the Triton MLA leaf's output bits on fixed
@@ -405,11 +406,16 @@ for s in "$@"; do
     goldens_check_epilogues) JENGINE_GEMM_EPILOGUES=add_norm,swiglu step goldens_check_epilogues 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
     attention_pages_ab)  # page ids per tile vs per split, every launch: bits (0 rows expected), µs
       step attention_split_pages 150 python3 scripts/gpu_attention_split.py --pages-ab --configs 4,2 4,3 4,4 4,3,0,0,128 4,3,0,0,64 --out "$out/attention_split_pages"
-      step attention_serial_pages 240 python3 scripts/gpu_attention_split.py --serial --pages-ab --configs 4,2 4,3 4,4 4,3,0,0,0,128 4,2,16,64 4,3,16,64 4,4,16,64 8,3,16,64 4,3,16,64,512 4,3,16,64,1024 --out "$out/attention_serial_pages" ;;
-    pages_ab_auto|pages_ab_rl)  # a mode's model rows, today's and with the page ids per split, on one machine
+      step attention_serial_pages 240 python3 scripts/gpu_attention_split.py --serial --pages-ab --configs 4,2 4,3 4,4 4,3,0,0,0,128 4,2,16,32 4,3,16,32 4,2,16,64 4,3,16,64 4,4,16,64 8,3,16,64 --out "$out/attention_serial_pages" ;;
+    pages_crash)  # auto's wide tile at SPLIT 512 with the page ids per split hit an illegal memory
+      # access (twenty-second and twenty-third sessions): each suspect alone, launches synchronous
+      for cfg in 4,3,16,64,512 4,2,16,64,512 4,3,0,0,512 4,3,16,32,512; do
+        CUDA_LAUNCH_BLOCKING=1 step "pages_crash_${cfg//,/_}" 90 python3 scripts/gpu_attention_split.py --serial --pages-ab --configs "$cfg" --out "$out/pages_crash_${cfg//,/_}"
+      done ;;
+    pages_ab_auto|pages_ab_rl)  # a mode's model rows with the page ids per tile and as planned (the default), on one machine
       numerics=auto; [ "$s" = pages_ab_rl ] && numerics=rl-bitwise
-      step "model_${numerics}_pages_tile" 200 python3 -m jengine.cli bench --parts model --numerics "$numerics" --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_${numerics}_pages_tile"
-      JENGINE_ATTENTION_PAGES=split step "model_${numerics}_pages_split" 200 python3 -m jengine.cli bench --parts model --numerics "$numerics" --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_${numerics}_pages_split" ;;
+      JENGINE_ATTENTION_PAGES=tile step "model_${numerics}_pages_tile" 200 python3 -m jengine.cli bench --parts model --numerics "$numerics" --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_${numerics}_pages_tile"
+      step "model_${numerics}_pages_planned" 200 python3 -m jengine.cli bench --parts model --numerics "$numerics" --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_${numerics}_pages_planned" ;;
     goldens_check_pages) JENGINE_ATTENTION_PAGES=split step goldens_check_pages 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
     profile_bs1_rl_epilogues) JENGINE_GEMM_EPILOGUES=add_norm,swiglu step profile_bs1_rl_epilogues 100 python3 scripts/gpu_profile_step.py --numerics rl-bitwise --batch 1 --out "$out/epilogues" ;;
     goldens_check) step goldens_check 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;

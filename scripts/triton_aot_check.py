@@ -11,6 +11,7 @@ scripts/gpu_validate.py, jengine bench). Prints one line per kernel; exits 1 on 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -24,7 +25,7 @@ H200 = (90, 32)  # compute capability 9.0, warp size 32
 
 
 def _compile(fn, args: dict, consts: dict, num_warps: int, num_stages: int,
-             enable_fp_fusion: bool = True):
+             enable_fp_fusion: bool = True, maxnreg: int | None = None):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -43,7 +44,7 @@ def _compile(fn, args: dict, consts: dict, num_warps: int, num_stages: int,
                     constexprs={(names.index(k),): v for k, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", *H200),
                           options=dict(num_warps=num_warps, num_stages=num_stages,
-                                       enable_fp_fusion=enable_fp_fusion))
+                                       enable_fp_fusion=enable_fp_fusion, maxnreg=maxnreg))
 
 
 def gemm_kernels():
@@ -141,18 +142,35 @@ def gemm_kernels():
                    E.gemm_swiglu_kernel, args, consts, tile)
 
 
-def _launch_options(c: dict) -> tuple:
-    """(warps, stages, fp fusion) the attention leaf launches constexprs c with."""
+def _launch_options(c: dict, options: dict | None = None) -> tuple:
+    """(warps, stages, fp fusion, register bound) the attention leaf launches constexprs c with
+    (`options`: the leaf's launch options where it planned them)."""
     from pallas_kernels import triton_attention as ta
 
-    o = ta.launch_options(c)
-    return o["num_warps"], o["num_stages"], o["enable_fp_fusion"]
+    o = options or ta.launch_options(c)
+    return o["num_warps"], o["num_stages"], o["enable_fp_fusion"], o.get("maxnreg")
+
+
+@contextlib.contextmanager
+def _pages_form(form: str):
+    """JENGINE_ATTENTION_PAGES=form inside (the leaf reads it per launch)."""
+    from pallas_kernels import triton_attention as ta
+
+    previous = os.environ.get(ta.PAGES_ENV)
+    os.environ[ta.PAGES_ENV] = form
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(ta.PAGES_ENV)
+        else:
+            os.environ[ta.PAGES_ENV] = previous
 
 
 def attention_kernels():
-    """(label, fn, args, consts, (warps, stages, fp_fusion)) of the attention leaf's two kernels and
-    the rope_write leaf's, for the Llama-3-8B heads (32 q / 8 kv, D 128) and the tiny model's, bf16
-    and f32."""
+    """(label, fn, args, consts, (warps, stages, fp_fusion[, maxnreg])) of the attention leaf's two
+    kernels and the rope_write leaf's, for the Llama-3-8B heads (32 q / 8 kv, D 128) and the tiny
+    model's, bf16 and f32."""
     from pallas_kernels import _triton_attention_kernels as K
     from pallas_kernels import triton_attention as ta
 
@@ -177,18 +195,21 @@ def attention_kernels():
                      "part_acc_ptr": "*fp32", "out_ptr": f"*{dtype}", "sem_ptr": "*i32"}
             yield (label + " split", K.attention_split_kernel, dict(inputs, **parts),
                    dict(c, NSPLIT=8), launch)
-            # the page ids per split (JENGINE_ATTENTION_PAGES=split, 16-position pages), on the
-            # stages the leaf launches them with: every launch the leaf makes, labelled as today's
-            # launch + " pages" (--same-float-ops pairs them so)
-            pages = dict(c, PAGES=ta.pages_per_split(16))
-            paged = _launch_options(pages)
+            # the page ids per split (16-position pages) as the leaf's "planned" form launches
+            # them (stages, register bound: triton_attention.paged): every launch the leaf makes,
+            # labelled as the page-ids-per-tile launch + " pages" (--same-float-ops pairs them so)
+            def planned(consts, schedule):
+                with _pages_form("planned"):
+                    pc, options = ta.paged(consts, schedule, 16)
+                return pc, _launch_options(pc, options)
             yield (label + " serial pages", K.attention_serial_kernel,
-                   dict(inputs, out_ptr=f"*{dtype}"), pages, paged)
+                   dict(inputs, out_ptr=f"*{dtype}"), *planned(c, "serial"))
             if wide is not c:
                 yield (wide_label + " pages", K.attention_serial_kernel,
-                       dict(inputs, out_ptr=f"*{dtype}"), dict(wide, PAGES=pages["PAGES"]), paged)
+                       dict(inputs, out_ptr=f"*{dtype}"), *planned(wide, "serial"))
+            pc, options = planned(c, "split")
             yield (label + " split pages", K.attention_split_kernel, dict(inputs, **parts),
-                   dict(pages, NSPLIT=8), paged)
+                   dict(pc, NSPLIT=8), options)
             if hq == 32:  # the layout-free row sums (JENGINE_ATTENTION_ROWSUM=tree / dot, gpu_run.sh
                 # attention_rows_<form> / attention_split_<form>) at what they launch
                 for form, code in (("tree", 1), ("dot", 2)):
@@ -247,9 +268,9 @@ def float_ops(ptx: str) -> list[str]:
 
 
 def same_float_ops() -> int:
-    """--same-float-ops: the attention launches with the page ids per split
-    (JENGINE_ATTENTION_PAGES=split) against the same launches today: the same float instructions
-    in the same order (only the K/V addresses' source and the pipelining differ)."""
+    """--same-float-ops: the attention launches with the page ids per split, as the leaf plans
+    them, against the same launches with the page ids per tile: the same float instructions in
+    the same order (only the K/V addresses' source, the pipelining and registers differ)."""
     launches = {label: rest for label, *rest in attention_kernels()}
     failures = 0
     for label, (fn, args, consts, options) in launches.items():
@@ -271,12 +292,12 @@ def main(only: str = "") -> int:
     launches = [(label, fn, args, consts,
                  (tile.num_warps, tile.num_stages, True) if tile else (4, 1, True))
                 for label, fn, args, consts, tile in gemm_kernels()]
-    for label, fn, args, consts, (warps, stages, fp_fusion) in (
+    for label, fn, args, consts, options in (
             launches + list(attention_kernels()) + list(mla_attention_kernels())):
         if only and not label.startswith(only):
             continue
         try:
-            kernel = _compile(fn, args, consts, warps, stages, fp_fusion)
+            kernel = _compile(fn, args, consts, *options)
             print(f"ok    {label}: {kernel.metadata.shared} B shared")
         except Exception as exc:  # noqa: BLE001 - report which kernel and why, then fail
             failures += 1

@@ -47,13 +47,30 @@ def test_every_tuned_gemm_and_attention_launch_compiles_for_sm90(tmp_path):
 
 
 def test_page_ids_per_split_change_no_float_instruction(tmp_path):
-    """JENGINE_ATTENTION_PAGES=split moves only where the K/V addresses come from (and the
+    """The page ids per split move only where the K/V addresses come from (and the
     pipelining): every attention launch's sm_90 PTX has the same float instructions in the same
     order with it as without it -- the compiled form of "the same bits"."""
     proc = _script(["--same-float-ops"], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert len(lines) == 12 and all(line.startswith("same ") for line in lines), lines
+
+
+def test_the_planned_register_bound_reaches_the_ptx(tmp_path):
+    """The leaf's planned page ids bound the narrow serial launch's registers (PAGES_MAXNREG):
+    that launch's sm_90 PTX carries the .maxnreg directive, the page-ids-per-tile launch and the
+    split schedule's do not (the control)."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import triton_aot_check as c\n"
+            "for label, fn, args, consts, opts in c.attention_kernels():\n"
+            "    if label.startswith('attention hq=32 hkv=8 D=128 bf16 s') and 'dot' not in label:\n"
+            "        ptx = c._compile(fn, args, consts, *opts).asm['ptx']\n"
+            "        print(label, '|', [l.strip() for l in ptx.splitlines() if '.maxnreg' in l])\n")
+    proc = _script([], tmp_path, code=code)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    bounds = dict(line.split(" | ") for line in proc.stdout.splitlines())
+    assert bounds["attention hq=32 hkv=8 D=128 bf16 serial pages"] == "['.maxnreg 128']", bounds
+    assert bounds["attention hq=32 hkv=8 D=128 bf16 serial"] == "[]", bounds
+    assert bounds["attention hq=32 hkv=8 D=128 bf16 split pages"] == "[]", bounds
 
 
 def test_negative_control_another_row_sum_changes_the_float_instructions(tmp_path):

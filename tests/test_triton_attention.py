@@ -368,7 +368,7 @@ def test_the_rowsum_switch_plans_the_form_and_the_wide_prefill_tile(monkeypatch)
     monkeypatch.delenv(ta.ROWSUM_ENV, raising=False)  # unset: the default, the dot
     assert ta._plan(q, pool, None, False)[1]["ROWSUM"] == ta.ROWSUM_FORMS["dot"] == 2
     monkeypatch.setenv(ta.ROWSUM_ENV, "triton")
-    schedule, c = ta._plan(q, pool, None, False)
+    schedule, c, _ = ta._plan(q, pool, None, False)
     assert (schedule, c["ROWSUM"], c["TPP"] * c["GP"], c["BLOCK_N"]) == ("serial", 0, ta.MIN_ROWS,
                                                                         ta.BLOCK_N)
     auto = ta._plan(q, pool, None, True)[1]  # auto's leaf: its own rows and KV tile
@@ -377,11 +377,11 @@ def test_the_rowsum_switch_plans_the_form_and_the_wide_prefill_tile(monkeypatch)
     assert (auto["TPP"] * auto["GP"], auto["BLOCK_N"]) == (ta.MIN_ROWS, ta.BLOCK_N)
     for form, code in (("tree", 1), ("dot", 2)):
         monkeypatch.setenv(ta.ROWSUM_ENV, form)
-        schedule, c = ta._plan(q, pool, None, False)  # wide rows, the definition's KV tile
+        schedule, c, _ = ta._plan(q, pool, None, False)  # wide rows, the definition's KV tile
         assert (schedule, c["ROWSUM"], c["TPP"] * c["GP"], c["BLOCK_N"]) == (
             "serial", code, ta.WIDE_ROWS, ta.BLOCK_N)
         assert ta._plan(q, pool, None, True)[1]["BLOCK_N"] == ta.WIDE_BLOCK_N
-        schedule, c = ta._plan(q[:1], pool, None, False)
+        schedule, c, _ = ta._plan(q[:1], pool, None, False)
         assert (schedule, c["ROWSUM"], c["TPP"] * c["GP"]) == ("split", code, ta.MIN_ROWS)
     monkeypatch.setenv(ta.ROWSUM_ENV, "halving")
     with pytest.raises(ValueError, match="JENGINE_ATTENTION_ROWSUM='halving'"):
@@ -401,7 +401,7 @@ def test_with_a_layout_free_row_sum_it_is_still_attention_and_one_algorithm(setu
         np.testing.assert_allclose(serial[i], _reference(q[r][p], *seqs[r], p), atol=1e-5, rtol=0)
 
 
-# -- the page ids per split (JENGINE_ATTENTION_PAGES=split: an experiment, the same bits) -----------
+# -- the page ids per split (JENGINE_ATTENTION_PAGES; planned per launch by default): same bits --
 
 
 def test_pages_per_split_covers_every_page_a_split_spans():
@@ -416,25 +416,44 @@ def test_pages_per_split_covers_every_page_a_split_spans():
         assert pages < 2 * max(spans), (page_size, pages, spans)  # and not wastefully more
 
 
-def test_the_pages_switch_is_read_and_refused_by_name(monkeypatch):
-    q = torch.zeros((4, HQ, D), dtype=torch.float32)
-    pool = torch.zeros((8, PAGE, HKV, D), dtype=torch.float32)
+def test_the_pages_switch_plans_each_launch_and_is_refused_by_name(monkeypatch):
+    """JENGINE_ATTENTION_PAGES: unset ("planned", the default) the split schedule and
+    rl-bitwise's wide tile take the page ids per split as they are, the narrow serial launch under
+    a register bound, auto's wide tile (its own KV tile) on fewer stages; "tile" none of them,
+    "split" every launch as it is. Another value is refused, naming the variable and the value."""
+    pages = ta.pages_per_split(PAGE)
+    monkeypatch.setattr(ta, "WIDE_MIN_TOKENS", 40)
+
+    def plan(rows, auto=False):  # (schedule, TPP, BLOCK_N, PAGES, stages, register bound)
+        pool = torch.zeros((8, PAGE, HKV, D), dtype=torch.bfloat16)
+        schedule, c, launch = ta._plan(torch.zeros((rows, HQ, D), dtype=torch.bfloat16), pool,
+                                       None, auto)
+        return (schedule, c["TPP"], c["BLOCK_N"], c["PAGES"], launch["num_stages"],
+                launch.get("maxnreg"))
+
+    geo = ta.geometry(HQ, HKV, D)
+    narrow, wide = geo["TPP"], ta.WIDE_ROWS // geo["GP"]
+    steps = ((4, False), (33, False), (64, False), (64, True))  # split, narrow serial, wide x 2
     monkeypatch.delenv(ta.PAGES_ENV, raising=False)
-    c = ta._constexprs(q, pool)
-    assert (c["PAGES"], ta.launch_options(c)["num_stages"]) == (0, ta.NUM_STAGES)
+    assert [plan(*step) for step in steps] == [
+        ("split", narrow, ta.BLOCK_N, pages, ta.PAGES_STAGES, None),
+        ("serial", narrow, ta.BLOCK_N, pages, ta.PAGES_STAGES, ta.PAGES_MAXNREG),
+        ("serial", wide, ta.BLOCK_N, pages, ta.PAGES_STAGES, None),
+        ("serial", wide, ta.WIDE_BLOCK_N, pages, ta.NUM_STAGES, None)]
+    monkeypatch.setenv(ta.PAGES_ENV, "tile")
+    assert [plan(*step)[3:] for step in steps] == [(0, ta.NUM_STAGES, None)] * 4
     monkeypatch.setenv(ta.PAGES_ENV, "split")
-    c = ta._constexprs(q, pool)
-    assert (c["PAGES"], ta.launch_options(c)["num_stages"]) == (ta.pages_per_split(PAGE),
-                                                                ta.PAGES_STAGES)
+    assert [plan(*step)[3:] for step in steps] == [(pages, ta.PAGES_STAGES, None)] * 4
     monkeypatch.setenv(ta.PAGES_ENV, "ahead")
     with pytest.raises(ValueError, match="JENGINE_ATTENTION_PAGES='ahead'"):
-        ta._constexprs(q, pool)
+        plan(4)
 
 
 def _page_launches(setup, tables):
-    """Every launch the leaf makes over rows across the first split boundary: the serial and split
-    schedules, auto's wide tile, and the dense-causal twin (one page of S = 300 positions, not a
-    multiple of SPLIT)."""
+    """Every launch the leaf makes over rows across the first split boundary: the serial (wide
+    rows) and split schedules, auto's wide tile, the dense-causal twin (one page of S = 300
+    positions, not a multiple of SPLIT) and the narrow serial launch (callers set
+    WIDE_MIN_TOKENS to 40)."""
     k, v, _, seqs, q, lengths = setup
     rows = [(0, 44), (2, 3)] + [(1, p) for p in range(230, 290)]
     req, pos = _req_pos(rows)
@@ -445,18 +464,23 @@ def _page_launches(setup, tables):
     outs.append(ta.dense_causal_attention_triton_torch(
         torch.from_numpy(q[1][None]), torch.from_numpy(kk[None]), torch.from_numpy(vv[None]),
         scale=SCALE).numpy()[0])
+    few = rows[:30]  # fewer than WIDE_MIN_TOKENS: the narrow serial launch (register-bounded)
+    outs.append(_step(_q(q, few), (k, v, tables), few, schedule="serial"))
     return outs
 
 
 def test_page_ids_per_split_give_every_launch_the_same_bits(setup, monkeypatch):
-    """With the page ids loaded once per split and gathered per tile, every launch gives today's
-    bits (requests on shuffled pages with NaN in their unused slots)."""
+    """With the page ids loaded once per split and gathered per tile -- in every launch ("split")
+    or where the plan puts them, the narrow serial launch register-bounded (the default) --
+    every launch gives the bits of page ids loaded per tile (requests on shuffled pages with NaN
+    in their unused slots)."""
     monkeypatch.setattr(ta, "WIDE_MIN_TOKENS", 40)
-    monkeypatch.delenv(ta.PAGES_ENV, raising=False)
-    today = _page_launches(setup, setup[2])
-    monkeypatch.setenv(ta.PAGES_ENV, "split")
-    split = _page_launches(setup, setup[2])
-    assert [count_bit_differences(a, b) for a, b in zip(today, split)] == [0, 0, 0, 0]
+    monkeypatch.setenv(ta.PAGES_ENV, "tile")
+    tile = _page_launches(setup, setup[2])
+    for form in ("split", "planned"):
+        monkeypatch.setenv(ta.PAGES_ENV, form)
+        outs = _page_launches(setup, setup[2])
+        assert [count_bit_differences(a, b) for a, b in zip(tile, outs)] == [0] * 5, form
 
 
 def test_negative_control_other_page_ids_fail_the_comparison(setup, monkeypatch):
@@ -464,7 +488,7 @@ def test_negative_control_other_page_ids_fail_the_comparison(setup, monkeypatch)
     split in another order (so tiles of the second split read other K/V) differ wherever the
     table is read -- every launch but the dense twin, which has none."""
     monkeypatch.setattr(ta, "WIDE_MIN_TOKENS", 40)
-    monkeypatch.delenv(ta.PAGES_ENV, raising=False)
+    monkeypatch.setenv(ta.PAGES_ENV, "tile")
     today = _page_launches(setup, setup[2])
     tables = setup[2].clone()
     first_split_pages = ta.SPLIT // PAGE
@@ -472,4 +496,4 @@ def test_negative_control_other_page_ids_fail_the_comparison(setup, monkeypatch)
     monkeypatch.setenv(ta.PAGES_ENV, "split")
     moved = _page_launches(setup, tables)
     differ = [count_bit_differences(a, b) for a, b in zip(today, moved)]
-    assert all(n > 0 for n in differ[:3]) and differ[3] == 0, differ
+    assert all(n > 0 for n in differ[:3] + differ[4:]) and differ[3] == 0, differ

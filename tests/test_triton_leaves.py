@@ -17,6 +17,7 @@ import importlib
 import inspect
 import os
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -440,3 +441,46 @@ def test_norm_silu_sumexp_rows_and_launches_bitwise():
         assert _row_diffs(jfn, a, *rest) == {m: 0 for m in ROWS}
         t_rest = [torch.from_dlpack(r) for r in rest]
         assert np.array_equal(bits(tfn(torch.from_dlpack(a), *t_rest)), bits(jfn(a, *rest)))
+
+
+def _fake_triton_lib(shared_cache):
+    """jax_triton.triton_lib as `_lower` uses it: a CUDA backend factory (Triton's own backend,
+    for the H200's compute capability), the compile cache, and a lowering that records what it was
+    given and what the backend it was handed parses."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    calls = []
+
+    def lowering(backend_init, ctx, *args, custom_call_target_name, **params):
+        options = backend_init(0, 90).parse_options({"num_warps": 4, "num_stages": 3})
+        calls.append(dict(target=custom_call_target_name, params=params,
+                          maxnreg=options.maxnreg, cache=lib._COMPILED_KERNEL_CACHE))
+        return ["results"]
+
+    lib = types.SimpleNamespace(
+        get_cuda_backend=lambda device, cc: CUDABackend(GPUTarget("cuda", cc, 32)),
+        _COMPILED_KERNEL_CACHE=shared_cache, triton_kernel_call_lowering=lowering)
+    return lib, calls
+
+
+def test_a_register_bound_reaches_the_compiler_under_its_own_compile_cache():
+    """jax-triton cannot pass Triton's maxnreg: jax_launch carries it as MAXNREG_PARAM, and the
+    lowering takes it off jax-triton's parameters, hands jax-triton a backend whose options have
+    it, and swaps in the bound's own compile cache for the call (jax-triton's cache key has no
+    maxnreg). An unbounded call keeps the shared cache and Triton's default (no bound)."""
+    pytest.importorskip("triton")
+    from pallas_kernels import _triton_launch as L
+
+    shared = {"an unbounded kernel": 1}
+    lib, calls = _fake_triton_lib(shared)
+    assert L._lower(lib, "ctx", "x", custom_call_target_name=L.LEGACY_TARGET,
+                    **{L.MAXNREG_PARAM: 128}, PAGES=16) == ["results"]
+    assert L._lower(lib, "ctx", "x", custom_call_target_name=L.LEGACY_TARGET, PAGES=16)
+    bounded, unbounded = calls
+    assert bounded["params"] == unbounded["params"] == {"PAGES": 16}  # the bound taken off
+    assert (bounded["maxnreg"], unbounded["maxnreg"]) == (128, None)
+    assert bounded["cache"] is not shared and "an unbounded kernel" not in bounded["cache"]
+    assert unbounded["cache"] is shared and lib._COMPILED_KERNEL_CACHE is shared  # restored
+    L._lower(lib, "ctx", custom_call_target_name=L.LEGACY_TARGET, **{L.MAXNREG_PARAM: 128})
+    assert calls[-1]["cache"] is bounded["cache"]  # one cache per bound, kept between calls
