@@ -39,8 +39,8 @@ from pallas_kernels._triton_launch import (INVARIANT, cdiv, contiguous, dtype_na
                                            require_cuda_tensors, torch_launch, triton_available)
 from pallas_kernels.fixed_order import next_pow2
 from pallas_kernels.registry import Priority, register
-from pallas_kernels.triton_attention import (_dense_as_pages, head_dim_supported, schedule_for,
-                                             tiles_jax, tiles_torch)
+from pallas_kernels.triton_attention import _dense_as_pages, tiles_jax, tiles_torch
+from pallas_kernels.triton_attention_plan import head_dim_supported, schedule_for
 
 FORMATS = {"bf16", "f32"}
 BLOCK_N = 32  # KV positions per tile

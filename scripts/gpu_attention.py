@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 
 from pallas_kernels import attention as xla_attention  # noqa: E402
 from pallas_kernels import triton_attention as ta  # noqa: E402
+from pallas_kernels import triton_attention_plan as tap  # noqa: E402
 from pallas_kernels._triton_launch import bits  # noqa: E402
 
 PAGE = 16
@@ -180,11 +181,11 @@ def checks(hq, hkv, d, dtype, label) -> list[dict]:
 
 
 def _with_split(split, fn, q_all, pool, rows, scale):
-    old, ta.SPLIT = ta.SPLIT, split
+    old, tap.SPLIT = tap.SPLIT, split
     try:
         return run(fn, q_all, pool, rows, scale=scale)
     finally:
-        ta.SPLIT = old
+        tap.SPLIT = old
 
 
 def median_ms(f, iters=10):

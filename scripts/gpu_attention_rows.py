@@ -32,11 +32,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from pallas_kernels import triton_attention as ta  # noqa: E402
+from pallas_kernels import triton_attention_plan as tap  # noqa: E402
 from pallas_kernels._triton_launch import torch_launch  # noqa: E402
 
 PAGE, HQ, HKV, D = 16, 32, 8, 128
 DEV = "cuda"  # --smoke: "cpu" under Triton's interpreter (a logic check of this script)
-# --rowsum: every launch sums a row's p with this form (triton_attention.ROWSUM_FORMS; "tree" and
+# --rowsum: every launch sums a row's p with this form (triton_attention_plan.ROWSUM_FORMS; "tree" and
 # "dot" are other bits than the engine's, an experiment: does one put every (ROWS, warps) in one
 # bit class, and at what cost?)
 ROWSUM = "triton"
@@ -44,7 +45,7 @@ ROWSUM = "triton"
 
 def constexprs(q, k, **over) -> dict:
     """The leaf's constexprs for q / the pool, with `over` and this run's row sum."""
-    return dict(ta._constexprs(q, k), **over, ROWSUM=ta.ROWSUM_FORMS[ROWSUM])
+    return dict(tap.constexprs(q, k), **over, ROWSUM=tap.ROWSUM_FORMS[ROWSUM])
 
 
 def make_case(gen, lengths, new_tokens):
@@ -74,7 +75,7 @@ def make_case(gen, lengths, new_tokens):
     return q, k, v, table.to(DEV), req.to(DEV), pos.to(DEV)
 
 
-def serial(case, tpp, warps, stages, block_n=ta.BLOCK_N, split=ta.SPLIT):
+def serial(case, tpp, warps, stages, block_n=tap.BLOCK_N, split=tap.SPLIT):
     q, k, v, table, req, pos = case
     c = constexprs(q, k, TPP=tpp, SPLIT=split, BLOCK_N=block_n)
     tiles = ta.tiles_torch(req, pos, tpp)
@@ -147,14 +148,14 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/attention_rows")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny cases")
-    p.add_argument("--ref", default=f"4,{ta.NUM_WARPS},{ta.NUM_STAGES}",
+    p.add_argument("--ref", default=f"4,{tap.NUM_WARPS},{tap.NUM_STAGES}",
                    help="TPP,WARPS,STAGES of the launch every other is compared with")
     p.add_argument("--configs", nargs="*",
                    help="TPP,WARPS,STAGES[,BLOCK_N[,SPLIT]] launches (default: a sweep); another "
                         "BLOCK_N or SPLIT is another algorithm (other bits): for --numerics auto's "
                         "tile, judged by its error against f32 (the table's last column)")
-    p.add_argument("--rowsum", choices=sorted(ta.ROWSUM_FORMS),
-                   default=os.environ.get(ta.ROWSUM_ENV) or ta.DEFAULT_ROWSUM,
+    p.add_argument("--rowsum", choices=sorted(tap.ROWSUM_FORMS),
+                   default=os.environ.get(tap.ROWSUM_ENV) or tap.DEFAULT_ROWSUM,
                    help="every launch's row sum (reference and control too): tree / dot are "
                         "the layout-free experiments")
     args = p.parse_args()
@@ -179,16 +180,16 @@ def main() -> int:
     rows = []
     for name, case in cases.items():
         ref = serial(case, *ref_cfg)
-        control = rows_differ(ref, serial(case, *ref_cfg, split=ta.SPLIT // 2))
+        control = rows_differ(ref, serial(case, *ref_cfg, split=tap.SPLIT // 2))
         flops = causal_flops(case)
         exact = reference(case)
-        print(f"== {name}: {case[0].shape[0]} rows; control (SPLIT {ta.SPLIT // 2}) differs in "
+        print(f"== {name}: {case[0].shape[0]} rows; control (SPLIT {tap.SPLIT // 2}) differs in "
               f"{control} rows; the reference launch's |error| vs f32: max "
               f"{max_error(ref, exact):.3g}, mean {mean_error(ref, exact):.3g}", flush=True)
         for cfg in configs:
             tpp, warps, stages = cfg[:3]
-            block_n = cfg[3] if len(cfg) > 3 else ta.BLOCK_N
-            split = cfg[4] if len(cfg) > 4 else ta.SPLIT
+            block_n = cfg[3] if len(cfg) > 3 else tap.BLOCK_N
+            split = cfg[4] if len(cfg) > 4 else tap.SPLIT
             launch = dict(block_n=block_n, split=split)
             try:
                 out = serial(case, tpp, warps, stages, **launch)

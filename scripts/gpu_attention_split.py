@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_attention_rows as rows_exp  # noqa: E402
 import torch  # noqa: E402
 
-ta = rows_exp.ta
+ta, tap = rows_exp.ta, rows_exp.tap
 TODAY = (4, 2)  # the split kernel's (warps, stages)
 ENGINE_WIDTH = 8192 // rows_exp.PAGE + 1  # block-table pages of an 8k-context launch
 
@@ -42,9 +42,9 @@ def widen(case, width):
 
 def _launch_constexprs(q, k, tpp, block_n, split, pages):
     """The leaf's constexprs with a config's TPP / BLOCK_N / SPLIT (None or 0: the leaf's) and, where
-    `pages` is not None, that PAGES (0: page ids per tile, today; triton_attention.pages_per_split:
+    `pages` is not None, that PAGES (0: page ids per tile, today; triton_attention_plan.pages_per_split:
     per split, the experiment)."""
-    c = rows_exp.constexprs(q, k, SPLIT=split or ta.SPLIT, BLOCK_N=block_n or ta.BLOCK_N)
+    c = rows_exp.constexprs(q, k, SPLIT=split or tap.SPLIT, BLOCK_N=block_n or tap.BLOCK_N)
     c["TPP"] = tpp or c["TPP"]
     if pages is not None:
         c["PAGES"] = pages
@@ -157,7 +157,7 @@ def pages_ab(args, launch, cases, configs, name: str) -> int:
         first = None
         for cfg in configs:
             tpp, block_n, split, maxnreg = (list(cfg[2:6]) + [None] * 4)[:4]
-            pages = ta.pages_per_split(rows_exp.PAGE, split or ta.SPLIT)
+            pages = tap.pages_per_split(rows_exp.PAGE, split or tap.SPLIT)
             phase = "page ids per tile"  # which launch failed, where one does
             try:
                 run0, out0 = launch(case, *cfg, pages=0)
@@ -167,11 +167,11 @@ def pages_ab(args, launch, cases, configs, name: str) -> int:
                 us1, n, err = device_us(run1), rows_exp.rows_differ(out0, out1), None
                 first = out0.clone() if first is None else first
                 vs_first = rows_exp.rows_differ(first, out0)
-                other = 128 if (split or ta.SPLIT) != 128 else 64  # another algorithm
+                other = 128 if (split or tap.SPLIT) != 128 else 64  # another algorithm
                 phase = f"the control (SPLIT {other})"
                 control = rows_exp.rows_differ(out0, launch(
                     case, cfg[0], cfg[1], tpp, block_n, other, maxnreg,
-                    pages=ta.pages_per_split(rows_exp.PAGE, other))[1])  # its own page window
+                    pages=tap.pages_per_split(rows_exp.PAGE, other))[1])  # its own page window
             except Exception as exc:  # noqa: BLE001 -- a config that does not compile is a result
                 us0 = us1 = n = control = vs_first = None
                 err = f"{phase}: {type(exc).__name__}: {str(exc)[:200]}"
@@ -267,13 +267,13 @@ def main() -> int:
     p.add_argument("--pages-ab", action="store_true",
                    help="each config with the page ids per tile and per split "
                         "(JENGINE_ATTENTION_PAGES): rows differing (0 expected) and µs")
-    p.add_argument("--rowsum", choices=sorted(ta.ROWSUM_FORMS),
-                   default=os.environ.get(ta.ROWSUM_ENV) or ta.DEFAULT_ROWSUM,
+    p.add_argument("--rowsum", choices=sorted(tap.ROWSUM_FORMS),
+                   default=os.environ.get(tap.ROWSUM_ENV) or tap.DEFAULT_ROWSUM,
                    help="every launch's row sum: tree / dot are the layout-free experiments "
                         "(other bits)")
     args = p.parse_args()
     rows_exp.ROWSUM = args.rowsum  # this script's launches take their constexprs from there,
-    os.environ[ta.ROWSUM_ENV] = args.rowsum  # the leaf's own (the serial reference) from here
+    os.environ[tap.ROWSUM_ENV] = args.rowsum  # the leaf's own (the serial reference) from here
     if args.smoke:  # before the kernels' module is imported: the interpreter is chosen then
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                         "tests"))

@@ -145,26 +145,26 @@ def gemm_kernels():
 def _launch_options(c: dict, options: dict | None = None) -> tuple:
     """(warps, stages, fp fusion, register bound) the attention leaf launches constexprs c with
     (`options`: the leaf's launch options where it planned them)."""
-    from pallas_kernels import triton_attention as ta
+    from pallas_kernels import triton_attention_plan as tap
 
-    o = options or ta.launch_options(c)
+    o = options or tap.launch_options(c)
     return o["num_warps"], o["num_stages"], o["enable_fp_fusion"], o.get("maxnreg")
 
 
 @contextlib.contextmanager
 def _pages_form(form: str):
     """JENGINE_ATTENTION_PAGES=form inside (the leaf reads it per launch)."""
-    from pallas_kernels import triton_attention as ta
+    from pallas_kernels import triton_attention_plan as tap
 
-    previous = os.environ.get(ta.PAGES_ENV)
-    os.environ[ta.PAGES_ENV] = form
+    previous = os.environ.get(tap.PAGES_ENV)
+    os.environ[tap.PAGES_ENV] = form
     try:
         yield
     finally:
         if previous is None:
-            os.environ.pop(ta.PAGES_ENV)
+            os.environ.pop(tap.PAGES_ENV)
         else:
-            os.environ[ta.PAGES_ENV] = previous
+            os.environ[tap.PAGES_ENV] = previous
 
 
 def attention_kernels():
@@ -172,12 +172,12 @@ def attention_kernels():
     kernels and the rope_write leaf's, for the Llama-3-8B heads (32 q / 8 kv, D 128) and the tiny
     model's, bf16 and f32."""
     from pallas_kernels import _triton_attention_kernels as K
-    from pallas_kernels import triton_attention as ta
+    from pallas_kernels import triton_attention_plan as tap
 
     for (hq, hkv, d) in ((32, 8, 128), (4, 2, 16)):
         for dtype in ("bf16", "fp32"):
-            geo = ta.geometry(hq, hkv, d)
-            c = dict(geo, BLOCK_N=ta.BLOCK_N, SPLIT=ta.SPLIT, IEEE=dtype == "fp32",
+            geo = tap.geometry(hq, hkv, d)
+            c = dict(geo, BLOCK_N=tap.BLOCK_N, SPLIT=tap.SPLIT, IEEE=dtype == "fp32",
                      ROWSUM=0, PAGES=0)
             launch = _launch_options(c)
             inputs = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
@@ -186,7 +186,7 @@ def attention_kernels():
             label = f"attention hq={hq} hkv={hkv} D={d} {dtype}"
             yield (label + " serial", K.attention_serial_kernel,
                    dict(inputs, out_ptr=f"*{dtype}"), c, launch)
-            wide = ta.widened(c, ta.WIDE_MIN_TOKENS, "serial", auto=True)
+            wide = tap.widened(c, tap.WIDE_MIN_TOKENS, "serial", auto=True)
             wide_label = label + f" serial wide TPP={wide['TPP']} BLOCK_N={wide['BLOCK_N']}"
             if wide is not c:  # --numerics auto's prefill tile (triton_wide_prefill)
                 yield (wide_label, K.attention_serial_kernel, dict(inputs, out_ptr=f"*{dtype}"),
@@ -196,11 +196,11 @@ def attention_kernels():
             yield (label + " split", K.attention_split_kernel, dict(inputs, **parts),
                    dict(c, NSPLIT=8), launch)
             # the page ids per split (16-position pages) as the leaf's "planned" form launches
-            # them (stages, register bound: triton_attention.paged): every launch the leaf makes,
+            # them (stages, register bound: triton_attention_plan.paged): every launch the leaf makes,
             # labelled as the page-ids-per-tile launch + " pages" (--same-float-ops pairs them so)
             def planned(consts, schedule):
                 with _pages_form("planned"):
-                    pc, options = ta.paged(consts, schedule, 16)
+                    pc, options = tap.paged(consts, schedule, 16)
                 return pc, _launch_options(pc, options)
             yield (label + " serial pages", K.attention_serial_kernel,
                    dict(inputs, out_ptr=f"*{dtype}"), *planned(c, "serial"))
@@ -219,7 +219,7 @@ def attention_kernels():
                     for tpp, warps in ((4, 4), (4, 1), (8, 8), (16, 4), (32, 8)):
                         yield (label + f" serial {form} TPP={tpp} w{warps}",
                                K.attention_serial_kernel, dict(inputs, out_ptr=f"*{dtype}"),
-                               dict(alt, TPP=tpp), (warps, ta.NUM_STAGES, False))
+                               dict(alt, TPP=tpp), (warps, tap.NUM_STAGES, False))
                     yield (label + f" split {form}", K.attention_split_kernel,
                            dict(inputs, **parts), dict(alt, NSPLIT=8), launch)
             rope = {**{p: f"*{dtype}" for p in ("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr")},

@@ -32,7 +32,7 @@ import gpu_attention_split as split_exp  # noqa: E402
 @pytest.fixture()
 def case(monkeypatch):
     monkeypatch.setattr(rows_exp, "DEV", "cpu")
-    monkeypatch.delenv(rows_exp.ta.ROWSUM_ENV, raising=False)
+    monkeypatch.delenv(rows_exp.tap.ROWSUM_ENV, raising=False)
     # Two decode rows at contexts that cross a split (SPLIT 256), on a pool of shuffled pages.
     return rows_exp.make_case(torch.Generator().manual_seed(1), [301, 40], [1, 1])
 
@@ -52,7 +52,7 @@ def test_the_rowsum_flag_reaches_the_launches(monkeypatch, case):
     q, k, v, table, req, pos = case
     leaf = rows_exp.ta.paged_attention_triton_torch(q, (k, v), table, req, pos,
                                                     scale=rows_exp.D ** -0.5, schedule="split")
-    assert rows_exp.rows_differ(leaf, outs[rows_exp.ta.DEFAULT_ROWSUM][0]) == 0  # env unset
+    assert rows_exp.rows_differ(leaf, outs[rows_exp.tap.DEFAULT_ROWSUM][0]) == 0  # env unset
 
 
 def test_pages_ab_gives_every_launch_its_own_page_window(monkeypatch, tmp_path):
@@ -64,9 +64,9 @@ def test_pages_ab_gives_every_launch_its_own_page_window(monkeypatch, tmp_path):
 
     def launch(case, warps, stages, tpp=None, block_n=None, split=None, maxnreg=None,
                pages=None):
-        split = split or rows_exp.ta.SPLIT
+        split = split or rows_exp.tap.SPLIT
         if pages:
-            assert pages >= rows_exp.ta.pages_per_split(rows_exp.PAGE, split), (split, pages)
+            assert pages >= rows_exp.tap.pages_per_split(rows_exp.PAGE, split), (split, pages)
         seen.append((split, pages))
         out = torch.full((2, rows_exp.HQ, rows_exp.D), float(split), dtype=torch.bfloat16)
         return (lambda: None), out
@@ -75,5 +75,5 @@ def test_pages_ab_gives_every_launch_its_own_page_window(monkeypatch, tmp_path):
     monkeypatch.setattr(split_exp, "device_us", lambda run: 0.0)  # timings are not checked here
     split_exp.pages_ab(args, launch, {"c": None}, [(4, 3, 0, 0, 64), (4, 3, 0, 0, 512)], "t")
     # (pages_ab records a launch that raises as that row's error, so what ran is checked here.)
-    assert (128, rows_exp.ta.pages_per_split(rows_exp.PAGE, 128)) in seen  # SPLIT 64's control
-    assert (512, rows_exp.ta.pages_per_split(rows_exp.PAGE, 512)) in seen
+    assert (128, rows_exp.tap.pages_per_split(rows_exp.PAGE, 128)) in seen  # SPLIT 64's control
+    assert (512, rows_exp.tap.pages_per_split(rows_exp.PAGE, 512)) in seen

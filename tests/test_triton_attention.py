@@ -24,6 +24,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from pallas_kernels import triton_attention as ta  # noqa: E402
+from pallas_kernels import triton_attention_plan as tap  # noqa: E402
 
 # Rows not live in a split compute exp(-inf - -inf) = NaN, which tl.where then discards.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered in subtract")
@@ -137,7 +138,7 @@ def test_negative_control_another_split_size_changes_the_bits(setup, monkeypatch
     k, v, tables, seqs, q, lengths = setup
     rows = [(1, p) for p in range(280, 300)]
     before = _step(_q(q, rows), (k, v, tables), rows)
-    monkeypatch.setattr(ta, "SPLIT", 64)
+    monkeypatch.setattr(tap, "SPLIT", 64)
     after = _step(_q(q, rows), (k, v, tables), rows)
     assert count_bit_differences(before, after) > 0
 
@@ -149,10 +150,10 @@ def _split_launch(setup, rows, sems):
     qr = _q(q, rows)
     req = torch.ones(len(rows), dtype=torch.int32)
     pos = torch.tensor([p for _, p in rows], dtype=torch.int32)
-    c = ta._constexprs(qr, k)
+    c = tap.constexprs(qr, k)
     t, page_size, width = len(rows), k.shape[1], tables.shape[1]
     tiles = ta.tiles_torch(req, pos, c["TPP"])
-    nsplit = ta.cdiv(page_size * width, ta.SPLIT)
+    nsplit = ta.cdiv(page_size * width, tap.SPLIT)
     n = t * c["HKV"] * nsplit * c["TPP"] * c["GP"]
     parts = (torch.zeros(n), torch.zeros(n), torch.zeros(n, c["D"]))
     out = torch.zeros_like(qr)
@@ -160,8 +161,8 @@ def _split_launch(setup, rows, sems):
         sems = torch.full((t * c["HKV"],), sems, dtype=torch.int32)
     ta.torch_launch(ta.kernels().attention_split_kernel,
                     (qr, k, v, tables, pos, tiles, t, page_size, width, SCALE, sems),
-                    (*parts, out, sems), (t, c["HKV"], nsplit), num_warps=ta.NUM_WARPS,
-                    num_stages=ta.NUM_STAGES, enable_fp_fusion=False, **c, NSPLIT=nsplit)
+                    (*parts, out, sems), (t, c["HKV"], nsplit), num_warps=tap.NUM_WARPS,
+                    num_stages=tap.NUM_STAGES, enable_fp_fusion=False, **c, NSPLIT=nsplit)
     return out.numpy(), sems
 
 
@@ -210,10 +211,10 @@ def test_tiles_are_the_same_from_jax_and_torch():
 
 def test_geometry_names_the_bad_field():
     with pytest.raises(ValueError, match="head_dim=96"):
-        ta.geometry(8, 2, 96)
+        tap.geometry(8, 2, 96)
     with pytest.raises(ValueError, match="num_key_value_heads=3"):
-        ta.geometry(8, 3, 64)
-    assert ta.geometry(32, 8, 128)["TPP"] * ta.geometry(32, 8, 128)["GP"] == 16
+        tap.geometry(8, 3, 64)
+    assert tap.geometry(32, 8, 128)["TPP"] * tap.geometry(32, 8, 128)["GP"] == 16
 
 
 def test_auto_wide_tile_computes_every_row_of_a_prefill_step(setup, monkeypatch):
@@ -223,13 +224,13 @@ def test_auto_wide_tile_computes_every_row_of_a_prefill_step(setup, monkeypatch)
     with the engine's 16-row launch: on the H200 a few rows round differently (it is not
     batch-invariant), so equality under the interpreter would show nothing the GPU keeps."""
     k, v, tables, seqs, q, lengths = setup
-    monkeypatch.setattr(ta, "WIDE_MIN_TOKENS", 40)  # the interpreter is slow: a 62-row "prefill"
+    monkeypatch.setattr(tap, "WIDE_MIN_TOKENS", 40)  # the interpreter is slow: a 62-row "prefill"
     rows = [(0, 44), (2, 3)] + [(1, p) for p in range(240, 300)]
-    c = ta._constexprs(_q(q, rows), k)
-    assert (ta.wide_tpp(c, len(rows), "serial"), c["TPP"]) == (ta.WIDE_ROWS // c["GP"], 8)
-    assert ta.wide_tpp(c, 39, "serial") == ta.wide_tpp(c, len(rows), "split") == c["TPP"]
-    assert ta.widened(c, len(rows), "serial", auto=True)["BLOCK_N"] == (
-        ta.BLOCK_N if c["IEEE"] else ta.WIDE_BLOCK_N)
+    c = tap.constexprs(_q(q, rows), k)
+    assert (tap.wide_tpp(c, len(rows), "serial"), c["TPP"]) == (tap.WIDE_ROWS // c["GP"], 8)
+    assert tap.wide_tpp(c, 39, "serial") == tap.wide_tpp(c, len(rows), "split") == c["TPP"]
+    assert tap.widened(c, len(rows), "serial", auto=True)["BLOCK_N"] == (
+        tap.BLOCK_N if c["IEEE"] else tap.WIDE_BLOCK_N)
     req, pos = _req_pos(rows)
     wide = ta.paged_attention_triton_wide_torch(_q(q, rows), (k, v), tables, req, pos,
                                                 scale=SCALE).numpy()
@@ -246,11 +247,11 @@ def test_auto_wide_tile_in_bf16_reads_kv_in_its_own_tiles(setup, monkeypatch):
     64 positions; |o| <= 1.61), so 3e-2 absolute, still below what a row given wrong tiles is off
     by (the control below fails it)."""
     k, v, tables, seqs, q, lengths = setup
-    monkeypatch.setattr(ta, "WIDE_MIN_TOKENS", 40)
+    monkeypatch.setattr(tap, "WIDE_MIN_TOKENS", 40)
     rows = [(0, 44), (2, 3)] + [(1, p) for p in range(230, 290)]
     kb, vb, qb = k.to(torch.bfloat16), v.to(torch.bfloat16), _q(q, rows).to(torch.bfloat16)
-    c = ta._constexprs(qb, kb)
-    assert ta.widened(c, len(rows), "serial", auto=True)["BLOCK_N"] == ta.WIDE_BLOCK_N
+    c = tap.constexprs(qb, kb)
+    assert tap.widened(c, len(rows), "serial", auto=True)["BLOCK_N"] == tap.WIDE_BLOCK_N
     req, pos = _req_pos(rows)
     wide = ta.paged_attention_triton_wide_torch(qb, (kb, vb), tables, req, pos, scale=SCALE)
     wide = wide.float().numpy()
@@ -315,7 +316,7 @@ def _row_sum_kernel(p_ptr, out_ptr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 def _row_sums(p: np.ndarray, form: str) -> np.ndarray:
     out = torch.empty(p.shape[0], dtype=torch.float32)
     _row_sum_kernel[(1,)](torch.from_numpy(p), out, ROWS=p.shape[0], BLOCK_N=p.shape[1],
-                          ROWSUM=ta.ROWSUM_FORMS[form])
+                          ROWSUM=tap.ROWSUM_FORMS[form])
     return out.numpy()
 
 
@@ -323,7 +324,7 @@ def test_the_tree_row_sum_is_the_halving_tree():
     """"tree": each row's sum is v[:h] + v[:h] until one element is left, bit for bit. Control:
     the same values summed left to right (numpy's elementwise adds, so no reduction order numpy
     or the processor chooses) are another number in some row."""
-    rows, width = 16, ta.BLOCK_N
+    rows, width = 16, tap.BLOCK_N
     rng = np.random.default_rng(3)
     p = (rng.standard_normal((rows, width)) * np.logspace(-4, 4, width)).astype(np.float32)
     out = _row_sums(p, "tree")
@@ -339,7 +340,7 @@ def test_the_dot_row_sum_sums_the_rounded_p():
     The values are 1 + k / 128 times a power of two within a 2**6 range, so every partial sum is
     exact in f32 and the float64 sum is the answer in any order. Control: p's own (unrounded)
     sum is another number in every row."""
-    rows, width = 16, ta.BLOCK_N
+    rows, width = 16, tap.BLOCK_N
     rng = np.random.default_rng(5)
     rounded = ((1 + rng.integers(0, 128, (rows, width)) / 128)
                * 2.0 ** rng.integers(-6, 0, (rows, width)))
@@ -353,7 +354,7 @@ def test_the_dot_row_sum_sums_the_rounded_p():
 @pytest.fixture(params=["tree", "dot"])
 def layout_free_rowsum(request, monkeypatch):
     """The leaf's launches with a layout-free row sum (JENGINE_ATTENTION_ROWSUM=tree / dot)."""
-    monkeypatch.setenv(ta.ROWSUM_ENV, request.param)
+    monkeypatch.setenv(tap.ROWSUM_ENV, request.param)
     return request.param
 
 
@@ -365,27 +366,27 @@ def test_the_rowsum_switch_plans_the_form_and_the_wide_prefill_tile(monkeypatch)
     theirs. Another value is refused, naming the variable and the value."""
     q = torch.zeros((512, 32, 128), dtype=torch.bfloat16)
     pool = torch.zeros((8, 16, 8, 128), dtype=torch.bfloat16)
-    monkeypatch.delenv(ta.ROWSUM_ENV, raising=False)  # unset: the default, the dot
-    assert ta._plan(q, pool, None, False)[1]["ROWSUM"] == ta.ROWSUM_FORMS["dot"] == 2
-    monkeypatch.setenv(ta.ROWSUM_ENV, "triton")
-    schedule, c, _ = ta._plan(q, pool, None, False)
-    assert (schedule, c["ROWSUM"], c["TPP"] * c["GP"], c["BLOCK_N"]) == ("serial", 0, ta.MIN_ROWS,
-                                                                        ta.BLOCK_N)
-    auto = ta._plan(q, pool, None, True)[1]  # auto's leaf: its own rows and KV tile
-    assert (auto["TPP"] * auto["GP"], auto["BLOCK_N"]) == (ta.WIDE_ROWS, ta.WIDE_BLOCK_N)
-    auto = ta._plan(q[:1], pool, None, True)[1]  # ... on prefill-sized steps only
-    assert (auto["TPP"] * auto["GP"], auto["BLOCK_N"]) == (ta.MIN_ROWS, ta.BLOCK_N)
+    monkeypatch.delenv(tap.ROWSUM_ENV, raising=False)  # unset: the default, the dot
+    assert tap.plan(q, pool, None, False)[1]["ROWSUM"] == tap.ROWSUM_FORMS["dot"] == 2
+    monkeypatch.setenv(tap.ROWSUM_ENV, "triton")
+    schedule, c, _ = tap.plan(q, pool, None, False)
+    assert (schedule, c["ROWSUM"], c["TPP"] * c["GP"], c["BLOCK_N"]) == ("serial", 0, tap.MIN_ROWS,
+                                                                        tap.BLOCK_N)
+    auto = tap.plan(q, pool, None, True)[1]  # auto's leaf: its own rows and KV tile
+    assert (auto["TPP"] * auto["GP"], auto["BLOCK_N"]) == (tap.WIDE_ROWS, tap.WIDE_BLOCK_N)
+    auto = tap.plan(q[:1], pool, None, True)[1]  # ... on prefill-sized steps only
+    assert (auto["TPP"] * auto["GP"], auto["BLOCK_N"]) == (tap.MIN_ROWS, tap.BLOCK_N)
     for form, code in (("tree", 1), ("dot", 2)):
-        monkeypatch.setenv(ta.ROWSUM_ENV, form)
-        schedule, c, _ = ta._plan(q, pool, None, False)  # wide rows, the definition's KV tile
+        monkeypatch.setenv(tap.ROWSUM_ENV, form)
+        schedule, c, _ = tap.plan(q, pool, None, False)  # wide rows, the definition's KV tile
         assert (schedule, c["ROWSUM"], c["TPP"] * c["GP"], c["BLOCK_N"]) == (
-            "serial", code, ta.WIDE_ROWS, ta.BLOCK_N)
-        assert ta._plan(q, pool, None, True)[1]["BLOCK_N"] == ta.WIDE_BLOCK_N
-        schedule, c, _ = ta._plan(q[:1], pool, None, False)
-        assert (schedule, c["ROWSUM"], c["TPP"] * c["GP"]) == ("split", code, ta.MIN_ROWS)
-    monkeypatch.setenv(ta.ROWSUM_ENV, "halving")
+            "serial", code, tap.WIDE_ROWS, tap.BLOCK_N)
+        assert tap.plan(q, pool, None, True)[1]["BLOCK_N"] == tap.WIDE_BLOCK_N
+        schedule, c, _ = tap.plan(q[:1], pool, None, False)
+        assert (schedule, c["ROWSUM"], c["TPP"] * c["GP"]) == ("split", code, tap.MIN_ROWS)
+    monkeypatch.setenv(tap.ROWSUM_ENV, "halving")
     with pytest.raises(ValueError, match="JENGINE_ATTENTION_ROWSUM='halving'"):
-        ta._plan(q, pool, None, False)
+        tap.plan(q, pool, None, False)
 
 
 def test_with_a_layout_free_row_sum_it_is_still_attention_and_one_algorithm(setup,
@@ -409,9 +410,9 @@ def test_pages_per_split_covers_every_page_a_split_spans():
     size: aligned (a divisor or a multiple of SPLIT) and not (a split starting inside a page).
     Checked against counting the pages of every split of a long context directly."""
     for page_size in (1, 8, 16, 48, 100, 256, 300, 512, 4096):
-        spans = {(lo + ta.SPLIT - 1) // page_size - lo // page_size + 1
-                 for lo in range(0, 64 * ta.SPLIT, ta.SPLIT)}
-        pages = ta.pages_per_split(page_size)
+        spans = {(lo + tap.SPLIT - 1) // page_size - lo // page_size + 1
+                 for lo in range(0, 64 * tap.SPLIT, tap.SPLIT)}
+        pages = tap.pages_per_split(page_size)
         assert pages >= max(spans) and pages & (pages - 1) == 0, (page_size, pages, spans)
         assert pages < 2 * max(spans), (page_size, pages, spans)  # and not wastefully more
 
@@ -421,30 +422,30 @@ def test_the_pages_switch_plans_each_launch_and_is_refused_by_name(monkeypatch):
     rl-bitwise's wide tile take the page ids per split as they are, the narrow serial launch under
     a register bound, auto's wide tile (its own KV tile) on fewer stages; "tile" none of them,
     "split" every launch as it is. Another value is refused, naming the variable and the value."""
-    pages = ta.pages_per_split(PAGE)
-    monkeypatch.setattr(ta, "WIDE_MIN_TOKENS", 40)
+    pages = tap.pages_per_split(PAGE)
+    monkeypatch.setattr(tap, "WIDE_MIN_TOKENS", 40)
 
     def plan(rows, auto=False):  # (schedule, TPP, BLOCK_N, PAGES, stages, register bound)
         pool = torch.zeros((8, PAGE, HKV, D), dtype=torch.bfloat16)
-        schedule, c, launch = ta._plan(torch.zeros((rows, HQ, D), dtype=torch.bfloat16), pool,
+        schedule, c, launch = tap.plan(torch.zeros((rows, HQ, D), dtype=torch.bfloat16), pool,
                                        None, auto)
         return (schedule, c["TPP"], c["BLOCK_N"], c["PAGES"], launch["num_stages"],
                 launch.get("maxnreg"))
 
-    geo = ta.geometry(HQ, HKV, D)
-    narrow, wide = geo["TPP"], ta.WIDE_ROWS // geo["GP"]
+    geo = tap.geometry(HQ, HKV, D)
+    narrow, wide = geo["TPP"], tap.WIDE_ROWS // geo["GP"]
     steps = ((4, False), (33, False), (64, False), (64, True))  # split, narrow serial, wide x 2
-    monkeypatch.delenv(ta.PAGES_ENV, raising=False)
+    monkeypatch.delenv(tap.PAGES_ENV, raising=False)
     assert [plan(*step) for step in steps] == [
-        ("split", narrow, ta.BLOCK_N, pages, ta.PAGES_STAGES, None),
-        ("serial", narrow, ta.BLOCK_N, pages, ta.PAGES_STAGES, ta.PAGES_MAXNREG),
-        ("serial", wide, ta.BLOCK_N, pages, ta.PAGES_STAGES, None),
-        ("serial", wide, ta.WIDE_BLOCK_N, pages, ta.NUM_STAGES, None)]
-    monkeypatch.setenv(ta.PAGES_ENV, "tile")
-    assert [plan(*step)[3:] for step in steps] == [(0, ta.NUM_STAGES, None)] * 4
-    monkeypatch.setenv(ta.PAGES_ENV, "split")
-    assert [plan(*step)[3:] for step in steps] == [(pages, ta.PAGES_STAGES, None)] * 4
-    monkeypatch.setenv(ta.PAGES_ENV, "ahead")
+        ("split", narrow, tap.BLOCK_N, pages, tap.PAGES_STAGES, None),
+        ("serial", narrow, tap.BLOCK_N, pages, tap.PAGES_STAGES, tap.PAGES_MAXNREG),
+        ("serial", wide, tap.BLOCK_N, pages, tap.PAGES_STAGES, None),
+        ("serial", wide, tap.WIDE_BLOCK_N, pages, tap.NUM_STAGES, None)]
+    monkeypatch.setenv(tap.PAGES_ENV, "tile")
+    assert [plan(*step)[3:] for step in steps] == [(0, tap.NUM_STAGES, None)] * 4
+    monkeypatch.setenv(tap.PAGES_ENV, "split")
+    assert [plan(*step)[3:] for step in steps] == [(pages, tap.PAGES_STAGES, None)] * 4
+    monkeypatch.setenv(tap.PAGES_ENV, "ahead")
     with pytest.raises(ValueError, match="JENGINE_ATTENTION_PAGES='ahead'"):
         plan(4)
 
@@ -474,11 +475,11 @@ def test_page_ids_per_split_give_every_launch_the_same_bits(setup, monkeypatch):
     or where the plan puts them, the narrow serial launch register-bounded (the default) --
     every launch gives the bits of page ids loaded per tile (requests on shuffled pages with NaN
     in their unused slots)."""
-    monkeypatch.setattr(ta, "WIDE_MIN_TOKENS", 40)
-    monkeypatch.setenv(ta.PAGES_ENV, "tile")
+    monkeypatch.setattr(tap, "WIDE_MIN_TOKENS", 40)
+    monkeypatch.setenv(tap.PAGES_ENV, "tile")
     tile = _page_launches(setup, setup[2])
     for form in ("split", "planned"):
-        monkeypatch.setenv(ta.PAGES_ENV, form)
+        monkeypatch.setenv(tap.PAGES_ENV, form)
         outs = _page_launches(setup, setup[2])
         assert [count_bit_differences(a, b) for a, b in zip(tile, outs)] == [0] * 5, form
 
@@ -487,13 +488,13 @@ def test_negative_control_other_page_ids_fail_the_comparison(setup, monkeypatch)
     """The comparison above can fail: the same launches given request 1's pages past its first
     split in another order (so tiles of the second split read other K/V) differ wherever the
     table is read -- every launch but the dense twin, which has none."""
-    monkeypatch.setattr(ta, "WIDE_MIN_TOKENS", 40)
-    monkeypatch.setenv(ta.PAGES_ENV, "tile")
+    monkeypatch.setattr(tap, "WIDE_MIN_TOKENS", 40)
+    monkeypatch.setenv(tap.PAGES_ENV, "tile")
     today = _page_launches(setup, setup[2])
     tables = setup[2].clone()
-    first_split_pages = ta.SPLIT // PAGE
+    first_split_pages = tap.SPLIT // PAGE
     tables[1, first_split_pages:] = tables[1, first_split_pages:].flip(0)
-    monkeypatch.setenv(ta.PAGES_ENV, "split")
+    monkeypatch.setenv(tap.PAGES_ENV, "split")
     moved = _page_launches(setup, tables)
     differ = [count_bit_differences(a, b) for a, b in zip(today, moved)]
     assert all(n > 0 for n in differ[:3] + differ[4:]) and differ[3] == 0, differ
