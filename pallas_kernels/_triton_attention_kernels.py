@@ -102,9 +102,10 @@ def _split_state(q, row_pos, max_pos, req, split, bt_ptr, k_ptr, v_ptr, page_siz
     inside the tile loop, so its K/V copies wait on a load issued in the same iteration and
     Triton's pipeliner cannot run them ahead of the compute (sm_90 TTGIR: every iteration begins
     by waiting for all its copies). PAGES > 0 (every launch by default since the twenty-third
-    session; triton_attention.paged plans it): the split's PAGES page ids (a power of two covering the pages a split spans) in one load before
-    the loop, each tile's taken from them with tl.gather; with 3 stages the copies of tile i + 1
-    are then in flight while tile i computes. Only where the addresses come from changes: the
+    session; triton_attention_plan.paged plans it): the split's PAGES page ids (a power of two
+    covering the pages a split spans) in one load before the loop, each tile's taken from them
+    with tl.gather; with 3 stages the copies of tile i + 1 are then in flight while tile i
+    computes. Only where the addresses come from changes: the
     same K/V values enter the same arithmetic (the same bits)."""
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     l = tl.zeros((ROWS,), tl.float32)
