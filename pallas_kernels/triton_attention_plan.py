@@ -70,8 +70,12 @@ def geometry(hq: int, hkv: int, d: int) -> dict:
         raise ValueError(f"attention (Triton): head_dim={d} must be a power of two >= 16")
     g = hq // hkv
     gp = next_pow2(g)
-    rows = max(MIN_ROWS, gp)
-    return dict(HQ=hq, HKV=hkv, G=g, GP=gp, TPP=rows // gp, D=d)
+    return dict(HQ=hq, HKV=hkv, G=g, GP=gp, TPP=narrow_tpp(gp), D=d)
+
+
+def narrow_tpp(gp: int) -> int:
+    """Tokens per program of the narrow tile: MIN_ROWS rows (or one token's GP padded heads)."""
+    return max(MIN_ROWS, gp) // gp
 
 
 def schedule_for(num_tokens: int) -> str:
@@ -128,17 +132,17 @@ def launch_options(c: dict, maxnreg: int | None = None, stages: int | None = Non
     return dict(num_warps=NUM_WARPS, num_stages=stages, enable_fp_fusion=False, **bound)
 
 
-def paged(c: dict, schedule: str, page_size: int) -> tuple[dict, dict]:
+def paged(c: dict, schedule: str, page_size: int, form: str | None = None) -> tuple[dict, dict]:
     """(constexprs, launch options) of a launch with constexprs c on `schedule`, with its page ids
-    where JENGINE_ATTENTION_PAGES puts them (the "planned" form: see there)."""
-    form = pages_form()
+    where `form` (by default JENGINE_ATTENTION_PAGES's) puts them ("planned": see there)."""
+    form = form or pages_form()
     if form == "tile":
         return c, launch_options(c)
     c = dict(c, PAGES=pages_per_split(page_size, c["SPLIT"]))
     if form == "split":
         return c, launch_options(c)
-    narrow_serial = schedule == "serial" and c["TPP"] * c["GP"] == max(MIN_ROWS, c["GP"])
-    autos_kv_tile = c["BLOCK_N"] == WIDE_BLOCK_N != BLOCK_N
+    narrow_serial = schedule == "serial" and c["TPP"] == narrow_tpp(c["GP"])
+    autos_kv_tile = c["BLOCK_N"] != BLOCK_N  # only auto's wide tile reads KV tiles of its own
     return c, launch_options(c, PAGES_MAXNREG if narrow_serial else None,
                              NUM_STAGES if autos_kv_tile else None)
 

@@ -37,9 +37,9 @@ from pallas_kernels._triton_launch import torch_launch  # noqa: E402
 
 PAGE, HQ, HKV, D = 16, 32, 8, 128
 DEV = "cuda"  # --smoke: "cpu" under Triton's interpreter (a logic check of this script)
-# --rowsum: every launch sums a row's p with this form (triton_attention_plan.ROWSUM_FORMS; "tree" and
-# "dot" are other bits than the engine's, an experiment: does one put every (ROWS, warps) in one
-# bit class, and at what cost?)
+# --rowsum: every launch sums a row's p with this form (triton_attention_plan.ROWSUM_FORMS; "tree"
+# and "dot" are other bits than the engine's, an experiment: does one put every (ROWS, warps) in
+# one bit class, and at what cost?)
 ROWSUM = "triton"
 
 

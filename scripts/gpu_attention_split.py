@@ -41,9 +41,9 @@ def widen(case, width):
 
 
 def _launch_constexprs(q, k, tpp, block_n, split, pages):
-    """The leaf's constexprs with a config's TPP / BLOCK_N / SPLIT (None or 0: the leaf's) and, where
-    `pages` is not None, that PAGES (0: page ids per tile, today; triton_attention_plan.pages_per_split:
-    per split, the experiment)."""
+    """The leaf's constexprs with a config's TPP / BLOCK_N / SPLIT (None or 0: the leaf's) and,
+    where `pages` is not None, that PAGES (0: page ids per tile;
+    triton_attention_plan.pages_per_split: per split)."""
     c = rows_exp.constexprs(q, k, SPLIT=split or tap.SPLIT, BLOCK_N=block_n or tap.BLOCK_N)
     c["TPP"] = tpp or c["TPP"]
     if pages is not None:

@@ -11,7 +11,6 @@ scripts/gpu_validate.py, jengine bench). Prints one line per kernel; exits 1 on 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import sys
@@ -151,22 +150,6 @@ def _launch_options(c: dict, options: dict | None = None) -> tuple:
     return o["num_warps"], o["num_stages"], o["enable_fp_fusion"], o.get("maxnreg")
 
 
-@contextlib.contextmanager
-def _pages_form(form: str):
-    """JENGINE_ATTENTION_PAGES=form inside (the leaf reads it per launch)."""
-    from pallas_kernels import triton_attention_plan as tap
-
-    previous = os.environ.get(tap.PAGES_ENV)
-    os.environ[tap.PAGES_ENV] = form
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(tap.PAGES_ENV)
-        else:
-            os.environ[tap.PAGES_ENV] = previous
-
-
 def attention_kernels():
     """(label, fn, args, consts, (warps, stages, fp_fusion[, maxnreg])) of the attention leaf's two
     kernels and the rope_write leaf's, for the Llama-3-8B heads (32 q / 8 kv, D 128) and the tiny
@@ -196,11 +179,11 @@ def attention_kernels():
             yield (label + " split", K.attention_split_kernel, dict(inputs, **parts),
                    dict(c, NSPLIT=8), launch)
             # the page ids per split (16-position pages) as the leaf's "planned" form launches
-            # them (stages, register bound: triton_attention_plan.paged): every launch the leaf makes,
-            # labelled as the page-ids-per-tile launch + " pages" (--same-float-ops pairs them so)
+            # them (stages, register bound: triton_attention_plan.paged): every launch the leaf
+            # makes, labelled as the page-ids-per-tile launch + " pages" (--same-float-ops pairs
+            # them so)
             def planned(consts, schedule):
-                with _pages_form("planned"):
-                    pc, options = tap.paged(consts, schedule, 16)
+                pc, options = tap.paged(consts, schedule, 16, form="planned")
                 return pc, _launch_options(pc, options)
             yield (label + " serial pages", K.attention_serial_kernel,
                    dict(inputs, out_ptr=f"*{dtype}"), *planned(c, "serial"))
