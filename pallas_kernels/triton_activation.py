@@ -39,8 +39,8 @@ def silu_triton(x, *, times=None):
     # No times: x stands in for its pointer; HAS_TIMES=False means it is never read.
     up = flat if times is None else times.reshape(-1)
     out = jax.ShapeDtypeStruct(flat.shape, x.dtype)
-    y = jax_launch(kernels().silu_kernel, (flat, up, n), out, (cdiv(n, BLOCK),), num_warps=4,
-                   num_stages=1, BLOCK=BLOCK, HAS_TIMES=times is not None)
+    y = jax_launch(kernels().silu_kernel, (flat, up), out, (cdiv(n, BLOCK),), num_warps=4,
+                   num_stages=1, N=n, BLOCK=BLOCK, HAS_TIMES=times is not None)
     return y.reshape(x.shape)
 
 
@@ -53,8 +53,8 @@ def silu_triton_torch(x, *, times=None):
     up = x if times is None else contiguous(times)
     out = torch.empty_like(x)
     if x.numel():
-        torch_launch(kernels().silu_kernel, (x, up, x.numel()), (out,),
-                     (cdiv(x.numel(), BLOCK),), num_warps=4, num_stages=1, BLOCK=BLOCK,
+        torch_launch(kernels().silu_kernel, (x, up), (out,), (cdiv(x.numel(), BLOCK),),
+                     num_warps=4, num_stages=1, N=x.numel(), BLOCK=BLOCK,
                      HAS_TIMES=times is not None)
     return out
 

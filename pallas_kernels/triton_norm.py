@@ -9,7 +9,9 @@ function of H alone, so a row's bits never depend on how many rows share the cal
 
 `add_rmsnorm` is the fused layer-boundary form: the f32 sum x + residual feeds the norm and its
 rounding is the new residual; with round_sum the rounded sum feeds the norm (the `unfused`
-boundary's bits -- a separate add, then the norm -- in one launch instead of two).
+boundary's bits -- a separate add, then the norm -- in one launch instead of two). At prefill M
+that launch takes several rows per program (ROWS_PLAN; add_rmsnorm_rows_kernel): the same size-2
+sums per row, so the same bits, at a fraction of the one-row launch's time.
 
 eps is passed as an f32 scalar from both hosts: jax-triton types a Python float as fp64 (torch's
 Triton launcher as fp32), and an fp64 eps promotes `var + eps` and the rsqrt to fp64 -- measured on
@@ -21,8 +23,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from pallas_kernels._triton_launch import (INVARIANT, contiguous, dtype_name, jax_launch, kernels,
-                                           require_cuda_tensors, torch_launch, triton_available)
+from pallas_kernels._triton_launch import (INVARIANT, cdiv, contiguous, dtype_name, jax_launch,
+                                           kernels, require_cuda_tensors, torch_launch,
+                                           triton_available)
 from pallas_kernels.fixed_order import next_pow2
 from pallas_kernels.registry import Priority, register
 
@@ -59,12 +62,34 @@ def rmsnorm_triton(x, weight, *, eps):
                       num_warps=warps, num_stages=1, **consts)
 
 
+# (min rows, rows per program, warps) of the unfused boundary's launch on several rows per
+# program, first match from the top; below every rule one row per program (add_rmsnorm_kernel).
+# H100, µs per launch at hidden 4096 (scripts/gpu_norm_rows.py, twenty-fourth session): 1024 rows
+# 68.4 -> 55.0, 4096 rows 140.0 -> 96.0 on two rows per program and 4 warps (4 rows: 57.3 /
+# 116.5; 8 warps slower); at 256 rows and fewer no plan won. 0 outputs differ in every plan.
+ROWS_PLAN: tuple[tuple[int, int, int], ...] = ((1024, 2, 4),)
+
+
+def rows_plan(m: int, round_sum: bool, plan=None) -> tuple[int, int] | None:
+    """(rows per program, warps) of add_rmsnorm_rows_kernel for m rows, or None for the one-row
+    kernel. Only the rounded sum (round_sum) may take it: see add_rmsnorm_rows_kernel."""
+    if not round_sum:
+        return None
+    return next(((rows, warps) for min_m, rows, warps in (ROWS_PLAN if plan is None else plan)
+                 if m >= min_m), None)
+
+
 def add_rmsnorm_triton(x, residual, weight, *, eps, round_sum=False):
     m, h = _check("add_rmsnorm", x, weight, residual)
     if m == 0:
         return x, residual
     consts, warps = _launch_params(h)
     outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype))
+    rows = rows_plan(m, round_sum)
+    if rows is not None:
+        return jax_launch(kernels().add_rmsnorm_rows_kernel,
+                          (x, residual, weight, np.float32(eps), m), outs, (cdiv(m, rows[0]),),
+                          num_warps=rows[1], num_stages=1, ROWS=rows[0], **consts)
     normed, new_residual = jax_launch(kernels().add_rmsnorm_kernel,
                                       (x, residual, weight, np.float32(eps)), outs, (m,),
                                       num_warps=warps, num_stages=1, ROUND_SUM=bool(round_sum),
@@ -109,7 +134,8 @@ def mean_fixed_order_torch(x):
     return out.reshape(*x.shape[:-1], 1)
 
 
-def add_rmsnorm_triton_torch(x, residual, weight, *, eps, round_sum=False):
+def add_rmsnorm_triton_torch(x, residual, weight, *, eps, round_sum=False, plan=None):
+    """plan: rules in ROWS_PLAN's form in place of it (scripts/gpu_norm_rows.py times them)."""
     import torch
 
     m, h = _check("add_rmsnorm_triton_torch", x, weight, residual)
@@ -118,9 +144,15 @@ def add_rmsnorm_triton_torch(x, residual, weight, *, eps, round_sum=False):
     out, new_residual = torch.empty_like(x), torch.empty_like(x)
     if m:
         consts, warps = _launch_params(h)
-        torch_launch(kernels().add_rmsnorm_kernel, (x, residual, weight, float(eps)),
-                     (out, new_residual), (m,), num_warps=warps, num_stages=1,
-                     ROUND_SUM=bool(round_sum), **consts)
+        rows = rows_plan(m, round_sum, plan)
+        if rows is not None:
+            torch_launch(kernels().add_rmsnorm_rows_kernel, (x, residual, weight, float(eps), m),
+                         (out, new_residual), (cdiv(m, rows[0]),), num_warps=rows[1],
+                         num_stages=1, ROWS=rows[0], **consts)
+        else:
+            torch_launch(kernels().add_rmsnorm_kernel, (x, residual, weight, float(eps)),
+                         (out, new_residual), (m,), num_warps=warps, num_stages=1,
+                         ROUND_SUM=bool(round_sum), **consts)
     return out, new_residual
 
 

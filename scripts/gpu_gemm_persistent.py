@@ -56,7 +56,7 @@ SMOKE_SHAPES = {"tiny": (256, 64, 4)}
 SMOKE_CANDIDATES = [(16, 32, 16, 4, 2)]
 # The engine's flat_k serial schedule, one program per output tile (BM, BN, BK, warps, stages).
 FLAT_CANDIDATES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
-                   (64, 128, 64, 4, 4)]
+                   (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (64, 128, 64, 4, 4)]
 SMOKE_FLAT_CANDIDATES = [(16, 32, 16, 4, 2), (32, 16, 16, 4, 2)]
 DEV = "cuda"  # --smoke: "cpu" under the interpreter
 

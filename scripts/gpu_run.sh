@@ -416,6 +416,11 @@ for s in "$@"; do
       numerics=auto; [ "$s" = pages_ab_rl ] && numerics=rl-bitwise
       JENGINE_ATTENTION_PAGES=tile step "model_${numerics}_pages_tile" 200 python3 -m jengine.cli bench --parts model --numerics "$numerics" --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_${numerics}_pages_tile"
       step "model_${numerics}_pages_planned" 200 python3 -m jengine.cli bench --parts model --numerics "$numerics" --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_${numerics}_pages_planned" ;;
+    tiles_wide_ab)  # rl-bitwise's prefill on the entries' 128 x 128 tile (before), then on the wide prefill tile (the file)
+      with_tiles "[e.update(tile='bf16_k4_split') for e in d['tables']['llama3-8b-h200']['entries'] if e['tile'] == 'bf16_k4_flat_wide']" \
+        step model_rl_tiles_narrow 200 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 256 --long-context 0 --part-timeout 190 --out "$out/model_rl_tiles_narrow"
+      step model_rl_tiles_wide 200 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 256 --long-context 0 --part-timeout 190 --out "$out/model_rl_tiles_wide" ;;
+    norm_rows) step norm_rows 200 python3 scripts/gpu_norm_rows.py --out "$out/norm_rows" ;;  # the boundary on several rows per program: bits, µs
     goldens_check_pages) JENGINE_ATTENTION_PAGES=split step goldens_check_pages 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
     profile_bs1_rl_epilogues) JENGINE_GEMM_EPILOGUES=add_norm,swiglu step profile_bs1_rl_epilogues 100 python3 scripts/gpu_profile_step.py --numerics rl-bitwise --batch 1 --out "$out/epilogues" ;;
     goldens_check) step goldens_check 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;

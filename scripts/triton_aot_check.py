@@ -141,6 +141,30 @@ def gemm_kernels():
                    E.gemm_swiglu_kernel, args, consts, tile)
 
 
+def norm_kernels():
+    """The layer boundary (one row per program, and each rows-per-program launch triton_norm plans
+    -- (4, 8) too while the plan is empty, so the kernel is compiled either way) and the SiLU at
+    the Llama-3-8B widths: (label, fn, args, consts, options)."""
+    from pallas_kernels import _triton_kernels as K
+    from pallas_kernels import triton_activation, triton_norm
+
+    consts, warps = triton_norm._launch_params(4096)
+    args = dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", eps="fp32", out_ptr="*bf16",
+                new_res_ptr="*bf16")
+    for round_sum in (False, True):
+        yield (f"add_rmsnorm H=4096 bf16 ROUND_SUM={round_sum}", K.add_rmsnorm_kernel, args,
+               dict(consts, ROUND_SUM=round_sum), (warps, 1, True))
+    rows_args = dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", eps="fp32", M="i32",
+                     out_ptr="*bf16", new_res_ptr="*bf16")
+    for rows, w in sorted({(r, w) for _, r, w in triton_norm.ROWS_PLAN} | {(4, 8)}):
+        yield (f"add_rmsnorm rows H=4096 bf16 ROWS={rows} w{w}", K.add_rmsnorm_rows_kernel,
+               rows_args, dict(consts, ROWS=rows), (w, 1, True))
+    for n in (14336, 4096 * 14336):
+        yield (f"silu N={n} bf16 times", K.silu_kernel,
+               dict(x_ptr="*bf16", up_ptr="*bf16", out_ptr="*bf16"),
+               dict(N=n, BLOCK=triton_activation.BLOCK, HAS_TIMES=True), (4, 1, True))
+
+
 def _launch_options(c: dict, options: dict | None = None) -> tuple:
     """(warps, stages, fp fusion, register bound) the attention leaf launches constexprs c with
     (`options`: the leaf's launch options where it planned them)."""
@@ -276,7 +300,8 @@ def main(only: str = "") -> int:
                  (tile.num_warps, tile.num_stages, True) if tile else (4, 1, True))
                 for label, fn, args, consts, tile in gemm_kernels()]
     for label, fn, args, consts, options in (
-            launches + list(attention_kernels()) + list(mla_attention_kernels())):
+            launches + list(attention_kernels()) + list(mla_attention_kernels())
+            + list(norm_kernels())):
         if only and not label.startswith(only):
             continue
         try:

@@ -1,6 +1,7 @@
-"""The GEMM (every tile and by_m launch shape), attention (auto's wide prefill tile too), rope_write
-and MLA attention kernels compile for the H200 (sm_90), checked on the CPU by Triton's own compiler;
-and an attention experiment that must keep every bit keeps every float instruction.
+"""The GEMM (every tile and by_m launch shape), attention (auto's wide prefill tile too),
+rope_write, MLA attention, layer-boundary norm and SiLU kernels compile for the H200 (sm_90),
+checked on the CPU by Triton's own compiler; and an attention experiment that must keep every bit
+keeps every float instruction.
 
 A subprocess, because the interpreter tests switch this process's Triton to interpreting mode. This
 is a compile check only (no bits, no timings): it keeps a kernel that cannot compile for the GPU
@@ -43,6 +44,8 @@ def test_every_tuned_gemm_and_attention_launch_compiles_for_sm90(tmp_path):
                for line in lines)  # --numerics auto's prefill tile
     assert any(line.startswith("ok    rope_write hq=32 hkv=8 D=128 bf16") for line in lines)
     assert any(line.startswith("ok    mla h=128 R=512 P=64 bf16 split") for line in lines)
+    assert any(line.startswith("ok    add_rmsnorm rows H=4096 bf16 ROWS=") for line in lines)
+    assert any(line.startswith("ok    silu N=58720256 bf16") for line in lines)
     assert all(line.startswith("ok ") for line in lines), lines
 
 

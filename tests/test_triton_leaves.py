@@ -84,15 +84,23 @@ def test_only_the_launch_shape_may_follow_m_never_the_k_chunks():
     tables = triton_gemm_tiles.TILES
     assert tables.by_m, "the Llama-3-8B table gives decode steps their own launch shape"
     for (n, k, d), tile in tables.tuned().items():
-        for m in (1, 16, 64, 65, 200, 256, 257, 4096):
+        for m in (1, 16, 64, 65, 200, 256, 257, 1023, 1024, 4096):
             assert tables.tile_for(n, k, d, m).k_split == tile.k_split, (n, k, d, m)
-    assert triton_gemm.tile_for(4096, 4096, "bf16", 16) != triton_gemm.tile_for(4096, 4096, "bf16")
-    assert triton_gemm.tile_for(4096, 4096, "bf16", 65) == triton_gemm.tile_for(4096, 4096, "bf16")
-    # decode bs 256 (128 < M <= 256) has a launch shape of its own, and M past it the entry's
-    assert triton_gemm.tile_for(4096, 4096, "bf16", 256) != triton_gemm.tile_for(4096, 4096, "bf16")
-    assert triton_gemm.tile_for(4096, 4096, "bf16", 257) == triton_gemm.tile_for(4096, 4096, "bf16")
+
+    def qo(m=None):
+        return triton_gemm.tile_for(4096, 4096, "bf16", m)
+
+    assert qo(16) != qo(65) == qo(512)
+    # decode bs 256 (128 < M <= 256) has a launch shape of its own; 256 < M < 1024 the 128 x 128
+    # tile again, and a prefill of 1024 rows or more the entry's (128 x 256 output tiles)
+    assert qo(256) != qo() and qo(257) == qo(1023) == qo(128)
+    for n, k in ((4096, 4096), (1024, 4096), (4096, 14336)):
+        wide = triton_gemm.tile_for(n, k, "bf16", 1024)
+        assert wide == triton_gemm.tile_for(n, k, "bf16")
+        assert wide != triton_gemm.tile_for(n, k, "bf16", 1023)
+        assert (wide.block_m, wide.block_n, wide.k_split, wide.flat_k) == (128, 256, 4, True), n
     # q/k/v (and gate/up) keep one launch shape at every M, so they stay one grouped launch.
-    for m in (1, 64, 65, 200, 256, 4096):
+    for m in (1, 64, 65, 200, 256, 1023, 1024, 4096):
         assert (triton_gemm.tile_for(4096, 4096, "bf16", m)
                 == triton_gemm.tile_for(1024, 4096, "bf16", m)), m
     bf16 = [t for (_, _, d), t in tables.tuned().items() if d == "bf16"]
@@ -131,10 +139,12 @@ def test_the_tile_tables_give_exactly_the_tiles_of_before():
     # likewise which schedule an M takes (the entries stopped splitting at every M with flat_k)
     names.remove("flat_k")
     names.remove("split_at_every_m")
+    # At 512 rows: prefills of 1024 rows or more have a wider launch shape on the same K chunks
+    # since the twenty-fourth session (test_only_the_launch_shape_may_follow_m_never_the_k_chunks).
     for dtype, expected in TILES_BEFORE.items():
         for dt in (dtype, jnp.bfloat16 if dtype == "bf16" else jnp.float32):
             for (n, k), fields in expected.items():
-                got = triton_gemm.tile_for(n, k, dt)
+                got = triton_gemm.tile_for(n, k, dt, 512)
                 assert {f: getattr(got, f) for f in names} == dict(zip(names, fields)), (n, k, dt)
                 assert not got.fused_reduce, (n, k, dt)
     assert sorted(triton_gemm_tiles.TILES.tuned()) == sorted(

@@ -52,3 +52,29 @@ def test_add_rmsnorm_round_sum_norms_the_residual_it_stores():
     f32_sum, same_res = triton_norm.add_rmsnorm_triton_torch(x, r, w, eps=1e-5)
     assert count_bit_differences(same_res.float().numpy(), new_res.float().numpy()) == 0
     assert count_bit_differences(f32_sum.float().numpy(), want.float().numpy()) > 0
+
+
+@pytest.mark.parametrize("width", [96, 128])
+def test_several_rows_per_program_give_the_one_row_kernels_bits(width):
+    """The unfused boundary on ROWS rows per program (add_rmsnorm_rows_kernel, planned for prefill
+    M by triton_norm.ROWS_PLAN) against one row per program: the same size-2 sums, so the same
+    bits, at row counts that do and do not fill the last program. The control: the f32 sum's norm
+    (the fused boundary) differs from it, so the comparison can fail."""
+    gen = torch.Generator().manual_seed(width)
+    for m in (1, 5, 9):
+        x, r = (torch.randn(m, width, generator=gen).mul(3).to(torch.bfloat16) for _ in range(2))
+        w = torch.randn(width, generator=gen).to(torch.bfloat16)
+        one = triton_norm.add_rmsnorm_triton_torch(x, r, w, eps=1e-5, round_sum=True, plan=())
+        for rows in (2, 4):
+            assert triton_norm.rows_plan(m, True, ((1, rows, 4),)) == (rows, 4)
+            got = triton_norm.add_rmsnorm_triton_torch(x, r, w, eps=1e-5, round_sum=True,
+                                                       plan=((1, rows, 4),))
+            for a, b in zip(got, one):
+                assert count_bit_differences(a.float().numpy(), b.float().numpy()) == 0, (m, rows)
+        f32_sum, _ = triton_norm.add_rmsnorm_triton_torch(x, r, w, eps=1e-5)
+        assert count_bit_differences(f32_sum.float().numpy(), one[0].float().numpy()) > 0, m
+    # Only the rounded sum may take several rows: the fused boundary's never does. The shipped
+    # plan: prefills of 1024 rows or more, the H100's measurement (scripts/gpu_norm_rows.py).
+    assert triton_norm.rows_plan(4096, False, ((1, 4, 8),)) is None
+    assert triton_norm.rows_plan(1023, True) is None
+    assert triton_norm.rows_plan(1024, True) == (2, 4) == triton_norm.rows_plan(4096, True)
