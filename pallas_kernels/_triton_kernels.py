@@ -112,11 +112,19 @@ def _rmsnorm_row(xf, w_ptr, offs, ok, eps, H: tl.constexpr, BLOCK: tl.constexpr,
                  LOG2: tl.constexpr, out_ty: tl.constexpr):
     sq = tl.where(ok, xf * xf, 0.0)
     var = tl.math.div_rn(halving_tree_sum(sq, BLOCK, LOG2), H * 1.0)
+    return _normed_times_weight(xf, var, eps, w_ptr, offs, ok, out_ty)
+
+
+@triton.jit
+def _normed_times_weight(xf, var, eps, w_ptr, w_offs, w_ok, out_ty: tl.constexpr):
+    """The norm after its variance: xf * rsqrt(var + eps) rounded to out_ty, times the weight
+    (w_ptr + w_offs, rounded to out_ty), rounded again. var and w_offs arrive shaped to broadcast
+    against xf (a row, or a [ROWS, H] tile)."""
     # eps arrives as f32 from both launchers (jax-triton would type a Python float as fp64 and
     # promote the sum: triton_norm.py passes np.float32). No .to here: under the interpreter a
     # Python float arrives as itself; the sm_90 PTX is the same as with the cast (compared).
     normed = (xf * rsqrtf(var + eps)).to(out_ty)
-    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(out_ty)
+    w = tl.load(w_ptr + w_offs, mask=w_ok, other=0.0).to(out_ty)
     return (w.to(tl.float32) * normed.to(tl.float32)).to(out_ty)
 
 
@@ -204,9 +212,8 @@ def add_rmsnorm_rows_kernel(x_ptr, res_ptr, w_ptr, eps, M, out_ptr, new_res_ptr,
     tf = total.to(tl.float32)
     sq = tl.where(ok, tf * tf, 0.0)
     var = tl.math.div_rn(halving_tree_sum_rows(sq, ROWS, BLOCK, LOG2), H * 1.0)
-    normed = (tf * rsqrtf(var + eps)[:, None]).to(out_ty)
-    w = tl.load(w_ptr + offs, mask=offs < H, other=0.0).to(out_ty)
-    y = (w.to(tl.float32)[None, :] * normed.to(tl.float32)).to(out_ty)
+    y = _normed_times_weight(tf, var[:, None], eps, w_ptr, offs[None, :], (offs < H)[None, :],
+                             out_ty)
     tl.store(out_ptr + at, y, mask=ok)
     tl.store(new_res_ptr + at, total, mask=ok)
 

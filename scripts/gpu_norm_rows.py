@@ -5,12 +5,12 @@ prefill spent 7.3 ms in 64 one-row launches on the H200, ~1.1 TB/s).
     python3 scripts/gpu_norm_rows.py [--out DIR] [--rows 1 64 256 1024 4096]
 
 Launches through triton_norm.add_rmsnorm_triton_torch with an explicit plan (ROWS_PLAN's form), so
-what is timed is the leaf's own launch: µs per launch of LAUNCHES launches in one CUDA graph (device
-time: one torch launch from Python takes longer than the kernel at decode M, so timing launches
-one by one measured the host there). Bits: both outputs (the normed rows and the new residual)
-as bf16 bit patterns against the one-row kernel's; the control is the fused boundary's f32-sum
-norm, which must differ. Writes norm_rows.json / .md to --out; exits 1 if a plan's bits differ or
-the control does not.
+what is timed is the leaf's own launch: µs per launch of 32 launches in one CUDA graph
+(gpu_gemm_add_norm.device_us_per_layer; device time: one torch launch from Python takes longer
+than the kernel at decode M, so timing launches one by one measured the host there). Bits: both
+outputs (the normed rows and the new residual) as bf16 bit patterns against the one-row kernel's;
+the control is the fused boundary's f32-sum norm, which must differ. Writes norm_rows.json / .md
+to --out; exits 1 if a plan's bits differ or the control does not.
 """
 
 from __future__ import annotations
@@ -25,34 +25,16 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 PLANS = [(2, 4), (2, 8), (4, 4), (4, 8), (4, 16), (8, 8)]  # (rows per program, warps)
-LAUNCHES = 32  # per graph: a decode step's boundaries of one kind
-
-
-def graph_us(call) -> float:
-    """µs per launch: LAUNCHES calls captured in one CUDA graph, the graph replayed 20 times."""
-    import torch
-
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(LAUNCHES):
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 20 / LAUNCHES * 1e3
 
 
 def main() -> int:
     import torch
 
+    from gpu_gemm_add_norm import device_us_per_layer
     from pallas_kernels import triton_norm
+
+    def graph_us(call) -> float:
+        return device_us_per_layer(lambda _copy: call(), 1)
 
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/norm_rows"))

@@ -142,9 +142,8 @@ def gemm_kernels():
 
 
 def norm_kernels():
-    """The layer boundary (one row per program, and each rows-per-program launch triton_norm plans
-    -- (4, 8) too while the plan is empty, so the kernel is compiled either way) and the SiLU at
-    the Llama-3-8B widths: (label, fn, args, consts, options)."""
+    """The layer boundary (one row per program, and each rows-per-program launch triton_norm plans)
+    and the SiLU at the Llama-3-8B widths: (label, fn, args, consts, options)."""
     from pallas_kernels import _triton_kernels as K
     from pallas_kernels import triton_activation, triton_norm
 
@@ -156,7 +155,7 @@ def norm_kernels():
                dict(consts, ROUND_SUM=round_sum), (warps, 1, True))
     rows_args = dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", eps="fp32", M="i32",
                      out_ptr="*bf16", new_res_ptr="*bf16")
-    for rows, w in sorted({(r, w) for _, r, w in triton_norm.ROWS_PLAN} | {(4, 8)}):
+    for rows, w in sorted({(r, w) for _, r, w in triton_norm.ROWS_PLAN}):
         yield (f"add_rmsnorm rows H=4096 bf16 ROWS={rows} w{w}", K.add_rmsnorm_rows_kernel,
                rows_args, dict(consts, ROWS=rows), (w, 1, True))
     for n in (14336, 4096 * 14336):
