@@ -3,9 +3,10 @@ and launch options. pallas_kernels/triton_attention.py launches from `plan` on b
 torch), so the engine and the trainer's twin plan every step alike; the algorithm the constants
 name is in pallas_kernels/_triton_attention_kernels.py.
 
-Two environment switches are read per launch, so a device run can A/B them:
-JENGINE_ATTENTION_ROWSUM (part of the numerics definition) and JENGINE_ATTENTION_PAGES (never the
-bits). Each is refused, naming the variable and the value, if it is not one of its forms.
+Three environment switches are read per launch, so a device run can A/B them:
+JENGINE_ATTENTION_ROWSUM and JENGINE_ATTENTION_KV_TILE (parts of the numerics definition) and
+JENGINE_ATTENTION_PAGES (never the bits). Each is refused, naming the variable and the value, if
+it is not one of its forms.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import os
 from pallas_kernels._triton_launch import dtype_name
 from pallas_kernels.fixed_order import next_pow2
 
-BLOCK_N = 32  # KV positions per tile (one tl.dot each for q.k and p.v)
-SPLIT = 256  # positions per split; a multiple of BLOCK_N
+BLOCK_N = 32  # KV positions per tile (one tl.dot each for q.k and p.v): the definition's default
+SPLIT = 256  # positions per split; a multiple of every KV tile
 MIN_ROWS = 16  # tl.dot needs >= 16 rows: GQA groups smaller than 16 are packed with more tokens
 SPLIT_MAX_ROWS = 32  # steps of at most this many token rows use the split schedule (H200: split
 # wins at 1 and 16 decode rows, serial at 64 and 256; docs/performance.md)
@@ -28,6 +29,18 @@ NUM_WARPS, NUM_STAGES = 4, 2
 # (H200: attention_rows_tree / _dot, accept_llama_tree / _dot), so under them rl-bitwise's
 # prefill steps take the wide tile too (gpu_run.sh rowsum_ab_<form>). The docstring says why dot.
 ROWSUM_ENV = "JENGINE_ATTENTION_ROWSUM"
+# JENGINE_ATTENTION_KV_TILE=32 (the default, BLOCK_N) / 64 -- KV positions per tile of every bf16
+# launch, the engine's and the twin's: a numerics definition each (the online softmax steps a
+# tile at a time). An experiment, not measured in the model (twenty-fifth session, no device):
+# auto's wide tile ran -4 to -7 % faster on 64 (eighteenth session); rl-bitwise's prefill
+# attention, on 32, took 35.9 ms of a 4096-token chunk where auto's took 32.5 (H100, twenty-fourth
+# session) -- the KV tile is the difference, and 3.4 ms is more than the 1.10x prefill goal lacks;
+# a bs 1 decode split walks 4 tiles instead of 8. The decode launches on 64 take more registers
+# (sm_90 ptxas: narrow serial 168 unbounded, split 152 vs 104-128 on 32). f32 keeps BLOCK_N: its
+# launch would spill 23 KB per thread at 64. gpu_run.sh kvtile_ab_rl / _auto, accept_llama_kv64,
+# goldens_record_kv64 are the device's steps; adopting it means new goldens, like the dot sum.
+KV_TILE_ENV = "JENGINE_ATTENTION_KV_TILE"
+KV_TILES = (BLOCK_N, 64)
 # JENGINE_ATTENTION_PAGES -- where a launch's K/V page ids come from; never the bits (only the
 # addresses' source changes: tests/test_triton_attention.py under the interpreter, goldens_check
 # and goldens_check_pages on the GPU). "tile": each tile's page ids loaded inside the tile loop
@@ -97,6 +110,16 @@ def rowsum_form() -> int:
     return ROWSUM_FORMS[value]
 
 
+def kv_tile(ieee: bool) -> int:
+    """The KV tile JENGINE_ATTENTION_KV_TILE asks for (unset or "": BLOCK_N); f32 (ieee) launches
+    keep BLOCK_N. Another value is an error naming the variable and the value."""
+    value = os.environ.get(KV_TILE_ENV) or str(BLOCK_N)
+    if value not in {str(n) for n in KV_TILES}:
+        raise ValueError(f"{KV_TILE_ENV}={value!r}: expected one of {[str(n) for n in KV_TILES]} "
+                         f"(the default: '{BLOCK_N}')")
+    return BLOCK_N if ieee else int(value)
+
+
 def pages_form() -> str:
     """JENGINE_ATTENTION_PAGES (see there): unset or "" the default ("planned"). Another value is
     an error naming the variable and the value."""
@@ -120,8 +143,8 @@ def pages_per_split(page_size: int, split: int = SPLIT) -> int:
 def constexprs(q, k_cache) -> dict:
     """The constexprs of a launch on the narrow tile, page ids per tile (`plan` sets the rest)."""
     geo = geometry(q.shape[1], k_cache.shape[2], q.shape[2])
-    return dict(geo, BLOCK_N=BLOCK_N, SPLIT=SPLIT, IEEE=dtype_name(q.dtype) == "f32",
-                ROWSUM=rowsum_form(), PAGES=0)
+    ieee = dtype_name(q.dtype) == "f32"
+    return dict(geo, BLOCK_N=kv_tile(ieee), SPLIT=SPLIT, IEEE=ieee, ROWSUM=rowsum_form(), PAGES=0)
 
 
 def launch_options(c: dict, maxnreg: int | None = None, stages: int | None = None) -> dict:
@@ -142,9 +165,11 @@ def paged(c: dict, schedule: str, page_size: int, form: str | None = None) -> tu
     if form == "split":
         return c, launch_options(c)
     narrow_serial = schedule == "serial" and c["TPP"] == narrow_tpp(c["GP"])
-    autos_kv_tile = c["BLOCK_N"] != BLOCK_N  # only auto's wide tile reads KV tiles of its own
+    # 64-position KV tiles (auto's wide tile; every bf16 launch under JENGINE_ATTENTION_KV_TILE=64)
+    # on NUM_STAGES: measured on the wide tile only (3 stages 1346.8 vs 915.7 µs), the rest follow
+    wide_kv_tile = c["BLOCK_N"] > BLOCK_N
     return c, launch_options(c, PAGES_MAXNREG if narrow_serial else None,
-                             NUM_STAGES if autos_kv_tile else None)
+                             NUM_STAGES if wide_kv_tile else None)
 
 
 def wide_tpp(c: dict, num_tokens: int, schedule: str) -> int:
@@ -157,9 +182,9 @@ def wide_tpp(c: dict, num_tokens: int, schedule: str) -> int:
 def widened(c: dict, num_tokens: int, schedule: str, auto: bool) -> dict:
     """The constexprs of a prefill-sized serial step on the wide tile: WIDE_ROWS rows per program,
     and for auto's own leaf (`auto`) KV tiles of WIDE_BLOCK_N positions. The batch-invariant leaf
-    widens only under a layout-free row sum, and keeps BLOCK_N: the KV tile is part of the
-    numerics definition (kernels' docstring), the rows per program are not. (f32 keeps BLOCK_N
-    in auto too: see WIDE_BLOCK_N.)"""
+    widens only under a layout-free row sum, and keeps c's KV tile (kv_tile): the KV tile is part
+    of the numerics definition (kernels' docstring), the rows per program are not. (f32 keeps
+    BLOCK_N in auto too: see WIDE_BLOCK_N.)"""
     tpp = wide_tpp(c, num_tokens, schedule)
     if tpp == c["TPP"]:
         return c

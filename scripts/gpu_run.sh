@@ -87,6 +87,13 @@
 #                  sequences on the wide tile, the engine decodes on the narrow one, so MATCH
 #                  means the layout no longer reaches the bits; harness_prod_llama_<form> after it
 #   goldens_record_dot  goldens.py record on the dot sum ($out/h200_dot.json)
+#   The KV tile (JENGINE_ATTENTION_KV_TILE=64: every bf16 launch, engine and twin, on 64-position KV
+#   tiles -- another numerics definition; auto's wide tile already reads 64):
+#   kvtile_ab_rl / kvtile_ab_auto  that mode's model rows (bs 1 / 64 / 256, ctx 1024, the
+#                  4096-token prefill) on 32- then 64-position tiles, one machine (the launches
+#                  alone: attention_tiles_dot, attention_rows_dot_splits)
+#   accept_llama_kv64, harness_prod_llama_kv64, goldens_record_kv64  alignment MATCH, the
+#                  production harness and the goldens ($out/h200_kv64.json) on 64
 #   The page ids per split (JENGINE_ATTENTION_PAGES: "planned", the default since the twenty-third
 #   session, "tile" the older form, "split" every launch; the same bits every way: each split's
 #   page ids loaded once so the tiles' K/V copies run a tile ahead, on 3 stages):
@@ -384,6 +391,16 @@ for s in "$@"; do
       JENGINE_ATTENTION_ROWSUM="${s#harness_prod_llama_}" step "$s" 300 python3 -m jengine.cli invariance --model /tmp/acceptance/llama --numerics rl-bitwise --max-new-tokens 8 ;;
     goldens_record_dot)  # the goldens on the dot row sum (what adopting it as the definition would record)
       JENGINE_ATTENTION_ROWSUM=dot step goldens_record_dot 560 python3 scripts/goldens.py record --sections tiny families production --device cuda --out "$out/h200_dot.json" ;;
+    kvtile_ab_rl|kvtile_ab_auto)  # that mode's model rows on 32-, then 64-position KV tiles (one machine)
+      m=$([ "$s" = kvtile_ab_rl ] && echo rl-bitwise || echo auto)
+      step "model_${m}_kv32" 200 python3 -m jengine.cli bench --parts model --numerics "$m" --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_${m}_kv32"
+      JENGINE_ATTENTION_KV_TILE=64 step "model_${m}_kv64" 200 python3 -m jengine.cli bench --parts model --numerics "$m" --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_${m}_kv64" ;;
+    accept_llama_kv64)  # trainer alignment at production widths with every bf16 launch on 64-position KV tiles
+      JENGINE_ATTENTION_KV_TILE=64 step "$s" 420 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases llama ;;
+    harness_prod_llama_kv64)  # after accept_llama_kv64
+      JENGINE_ATTENTION_KV_TILE=64 step "$s" 300 python3 -m jengine.cli invariance --model /tmp/acceptance/llama --numerics rl-bitwise --max-new-tokens 8 ;;
+    goldens_record_kv64)  # the goldens on 64-position KV tiles (what adopting them as the definition would record)
+      JENGINE_ATTENTION_KV_TILE=64 step goldens_record_kv64 560 python3 scripts/goldens.py record --sections tiny families production --device cuda --out "$out/h200_kv64.json" ;;
     accept_*) step "$s" 420 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases "${s#accept_}" ;;
     acceptance) step acceptance 1500 python3 scripts/gpu_acceptance.py --out "$out/acceptance" ;;
     goldens_record) step goldens_record 560 python3 scripts/goldens.py record --sections tiny families production --device cuda --out "$out/h200.json" ;;

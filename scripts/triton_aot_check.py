@@ -228,6 +228,16 @@ def attention_kernels():
                                dict(alt, TPP=tpp), (warps, tap.NUM_STAGES, False))
                     yield (label + f" split {form}", K.attention_split_kernel,
                            dict(inputs, **parts), dict(alt, NSPLIT=8), launch)
+            if (hq, dtype) == (32, "bf16"):  # JENGINE_ATTENTION_KV_TILE=64 (gpu_run.sh
+                # kvtile_ab_*): every launch it plans, on the dot sum, as the plan launches them
+                kv = dict(c, BLOCK_N=64, ROWSUM=tap.ROWSUM_FORMS["dot"])
+                for name, fn, schedule, consts, out in (
+                        ("serial", K.attention_serial_kernel, "serial", kv, {"out_ptr": "*bf16"}),
+                        (f"serial wide TPP={tap.WIDE_ROWS // kv['GP']}", K.attention_serial_kernel,
+                         "serial", dict(kv, TPP=tap.WIDE_ROWS // kv["GP"]), {"out_ptr": "*bf16"}),
+                        ("split", K.attention_split_kernel, "split", dict(kv, NSPLIT=8), parts)):
+                    yield (label + f" kv64 {name}", fn, dict(inputs, **out),
+                           *planned(consts, schedule))
             rope = {**{p: f"*{dtype}" for p in ("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr")},
                     "page_ptr": "*i32", "slot_ptr": "*i32", "kc_ptr": f"*{dtype}",
                     "vc_ptr": f"*{dtype}", "num_pages": "i32", "page_size": "i32",

@@ -42,6 +42,8 @@ def test_every_tuned_gemm_and_attention_launch_compiles_for_sm90(tmp_path):
     assert any(line.startswith("ok    attention hq=32 hkv=8 D=128 bf16 split") for line in lines)
     assert any(line.startswith("ok    attention hq=32 hkv=8 D=128 bf16 serial wide TPP=16")
                for line in lines)  # --numerics auto's prefill tile
+    assert any(line.startswith("ok    attention hq=32 hkv=8 D=128 bf16 kv64 split")
+               for line in lines)  # JENGINE_ATTENTION_KV_TILE=64's launches
     assert any(line.startswith("ok    rope_write hq=32 hkv=8 D=128 bf16") for line in lines)
     assert any(line.startswith("ok    mla h=128 R=512 P=64 bf16 split") for line in lines)
     assert any(line.startswith("ok    add_rmsnorm rows H=4096 bf16 ROWS=") for line in lines)

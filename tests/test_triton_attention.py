@@ -402,6 +402,83 @@ def test_with_a_layout_free_row_sum_it_is_still_attention_and_one_algorithm(setu
         np.testing.assert_allclose(serial[i], _reference(q[r][p], *seqs[r], p), atol=1e-5, rtol=0)
 
 
+# -- the KV tile (JENGINE_ATTENTION_KV_TILE, an experiment: 64 positions is another definition) --
+
+
+def test_the_kv_tile_switch_plans_every_bf16_launch_and_is_refused_by_name(monkeypatch):
+    """JENGINE_ATTENTION_KV_TILE: unset, BLOCK_N (32) in every launch; "64", every bf16 launch of
+    both leaves -- split, narrow serial, rl-bitwise's and auto's wide tile -- on 64-position KV
+    tiles and NUM_STAGES stages (what auto's wide tile measured best on them), while f32 keeps
+    BLOCK_N. Another value is refused, naming the variable and the value."""
+    monkeypatch.setattr(tap, "WIDE_MIN_TOKENS", 40)
+    monkeypatch.delenv(tap.PAGES_ENV, raising=False)
+
+    def plan(rows, auto=False, dtype=torch.bfloat16):  # (BLOCK_N, stages) of each launch
+        pool = torch.zeros((8, PAGE, HKV, D), dtype=dtype)
+        _, c, launch = tap.plan(torch.zeros((rows, HQ, D), dtype=dtype), pool, None, auto)
+        return c["BLOCK_N"], launch["num_stages"]
+
+    steps = ((4, False), (33, False), (64, False), (64, True))  # split, narrow, wide x 2
+    monkeypatch.delenv(tap.KV_TILE_ENV, raising=False)
+    assert [plan(*step)[0] for step in steps] == [32, 32, 32, tap.WIDE_BLOCK_N]
+    monkeypatch.setenv(tap.KV_TILE_ENV, "64")
+    assert [plan(*step) for step in steps] == [(64, tap.NUM_STAGES)] * 4
+    assert [plan(*step, dtype=torch.float32)[0] for step in steps] == [tap.BLOCK_N] * 4
+    monkeypatch.setenv(tap.KV_TILE_ENV, "128")
+    with pytest.raises(ValueError, match="JENGINE_ATTENTION_KV_TILE='128'"):
+        plan(4)
+
+
+def _bf16(setup):
+    """The setup's pool and queries rounded to bf16 (the switch moves bf16 launches only), and
+    its sequences rounded alike for the float64 reference."""
+    k, v, tables, seqs, q, lengths = setup
+
+    def rounded(a):
+        return torch.from_numpy(a).to(torch.bfloat16)
+
+    return (k.to(torch.bfloat16), v.to(torch.bfloat16), tables,
+            [tuple(rounded(a).float().numpy() for a in seq) for seq in seqs],
+            {r: rounded(a).float().numpy() for r, a in q.items()}, lengths)
+
+
+def _bf16_step(setup, rows, schedule=None):
+    k, v, tables, _, q, _ = setup
+    qb = torch.from_numpy(np.stack([q[r][p] for r, p in rows])).to(torch.bfloat16)
+    req, pos = _req_pos(rows)
+    out = ta.paged_attention_triton_torch(qb, (k, v), tables, req, pos, scale=SCALE,
+                                          schedule=schedule)
+    return out.float().numpy()
+
+
+def test_on_64_position_kv_tiles_it_is_still_attention_and_one_algorithm(setup, monkeypatch):
+    """Under JENGINE_ATTENTION_KV_TILE=64 the leaf keeps its contract in bf16: every row within
+    3e-2 of float64 attention over the same bf16 inputs (the bf16 p and the output's rounding; the
+    wide-tile test above says why that bound), the serial and split schedules bit-identical across
+    a split boundary, a request's rows the same whatever its chunks and neighbours, and the
+    dense-causal twin equal to the paged form -- and the bits are not the 32-position tile's
+    (another definition: the control that the switch reaches the kernel)."""
+    b = _bf16(setup)
+    monkeypatch.setenv(tap.KV_TILE_ENV, "64")
+    rows = [(0, 44), (2, 3)] + [(1, p) for p in range(236, 290, 3)]
+    serial = _bf16_step(b, rows, "serial")
+    assert count_bit_differences(serial, _bf16_step(b, rows, "split")) == 0
+    for i, (r, p) in enumerate(rows):
+        np.testing.assert_allclose(serial[i], _reference(b[4][r][p], *b[3][r], p), atol=3e-2,
+                                   rtol=0)
+    mine = [(1, p) for p in range(270, 290)]
+    whole = _bf16_step(b, mine)
+    pieces = [_bf16_step(b, [(0, 40 + i % 3)] + mine[i:i + 7])[1:] for i in range(0, 20, 7)]
+    assert count_bit_differences(whole, np.concatenate(pieces)) == 0
+    k, v, _, seqs, q, lengths = b
+    dense = ta.dense_causal_attention_triton_torch(  # 300 positions: 5 tiles, 2 splits
+        *(torch.from_numpy(a[None]).to(torch.bfloat16) for a in (q[1], *seqs[1])),
+        scale=SCALE).float().numpy()[0]
+    assert count_bit_differences(dense, _bf16_step(b, [(1, p) for p in range(lengths[1])])) == 0
+    monkeypatch.delenv(tap.KV_TILE_ENV)
+    assert count_bit_differences(serial, _bf16_step(b, rows, "serial")) > 0
+
+
 # -- the page ids per split (JENGINE_ATTENTION_PAGES; planned per launch by default): same bits --
 
 
