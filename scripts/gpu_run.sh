@@ -22,6 +22,8 @@
 #                  (serial, split, fused) on the entries' K chunks, and XLA's dot, timings only
 #   gemm_mid_m_tiles  the same script at M = 128 / 256 (decode bs 128 / 256, where the table has no
 #                  by_m rule): launch shapes and schedules on the entries' K chunks, XLA's dot; timings
+#   gemm_gateup_prefill_tiles  the same script on gate/up's grouped launch at 4096 rows: launch
+#                  shapes on its K chunks (bits at 1024 rows), XLA's dot; the prefill's largest GEMM
 #   gemm_persistent  scripts/gpu_gemm_persistent.py: one program per SM over output tiles, the contract's
 #                  K chunks closed in order in one flat loop (no split partials), and the engine's
 #                  own flat_k serial schedule (one program per tile) at four launch shapes: bits vs
@@ -285,6 +287,8 @@ for s in "$@"; do
       step gemm_decode_tiles_down 100 python3 scripts/gpu_gemm_decode_tiles.py --skip-bits --budget-s 80 --shapes down_proj --candidates 64,64,4,3 64,64,4,5 64,64,4,6 64,128,4,3 64,32,4,6 64,64,4,4,serial --out "$out/gemm_decode_tiles_down" ;;
     gemm_mid_m_tiles)  # timings only: launch shapes on the entries' K chunks at M = 128 / 256 (the bs 256 lead), and XLA's dot
       step gemm_mid_m_tiles 330 python3 scripts/gpu_gemm_decode_tiles.py --skip-bits --budget-s 300 --iters 10 --time-rows 128 256 --xla --shapes q/o_proj "qkv group" "gate_up group" down_proj --candidates 128,128,8,4,split 128,128,8,4,fused 64,128,4,4,split 64,128,4,4,fused 128,64,4,4,fused 64,64,4,4,fused 128,256,8,3,split 128,128,8,4,serial 64,128,4,4,serial --out "$out/gemm_mid_m_tiles" ;;
+    gemm_gateup_prefill_tiles)  # gate/up's prefill launch shapes on its K chunks (52 of rl-bitwise's 137.7 ms at 4096 rows, H100): bits at 1024 rows, ms at 4096, XLA's dot
+      step gemm_gateup_prefill_tiles 330 python3 scripts/gpu_gemm_decode_tiles.py --budget-s 300 --iters 10 --bits-rows 1024 --time-rows 4096 --xla --shapes "gate_up group" --candidates 128,128,8,4,serial 128,128,4,4,serial 128,128,4,3,serial 128,128,8,3,serial 128,128,8,5,serial 64,256,4,4,serial 64,256,8,4,serial 256,64,8,4,serial 128,64,4,4,serial --out "$out/gemm_gateup_prefill_tiles" ;;
     gemm_persistent)  # an experiment: a persistent GEMM on the contract's K chunks (bits vs the engine's launch, ms vs cuBLAS)
       step gemm_persistent 420 python3 scripts/gpu_gemm_persistent.py --budget-s 380 --out "$out/gemm_persistent" ;;
     gemm_add_norm)  # an experiment: the layer boundary inside o_proj / down_proj's launch (bits, µs per layer)
