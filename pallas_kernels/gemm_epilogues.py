@@ -15,8 +15,9 @@ would move a bit. The Triton forms (triton_gemm_add_norm.py,
 triton_gemm_swiglu.py) are checked against their two launches under the interpreter, and on the
 H200 every golden kept its bits with them planned; neither was faster in the model there
 (docs/performance.md, eighteenth session), so a model plans them only when
-``JENGINE_GEMM_EPILOGUES`` names them (`requested`). The portable leaves here exist so that the
-dense body's fused path is tested on every machine.
+``JENGINE_GEMM_EPILOGUES`` names them (`requested`). The SwiGLU launch has since been rebuilt on
+the grouped launch's programs (twenty-fifth session; not measured on a GPU yet). The portable
+leaves here exist so that the dense body's fused path is tested on every machine.
 """
 
 from __future__ import annotations

@@ -1,24 +1,25 @@
 """("linear", "gemm_swiglu") on the GPU: SwiGLU's gate and up projections and its activation in
 one Triton launch. **Experimental** (pallas_kernels/gemm_epilogues.py): a model plans the leaf
 only when JENGINE_GEMM_EPILOGUES names `swiglu`; scripts/gpu_gemm_swiglu.py measures the launch's
-bits and time on the H200, `goldens_check_epilogues` the model's bits with it.
+bits and time on the GPU, `goldens_check_epilogues` the model's bits with it.
 
 Why: an rl-bitwise decode step runs the gate/up grouped GEMM and then silu(gate) * up as a launch
-of its own (32 per step of an 8B model, each with a gap before it), which reads gate and up back
-from memory. Here each program computes the gate tile and the up tile of the same rows and columns
-and applies the activation in registers
-(pallas_kernels/_triton_gemm_epilogue_kernels.gemm_swiglu_kernel).
+of its own (32 per step of an 8B model, each with a gap before it: ~2 µs of kernel and ~1.7 µs of
+gap at bs 1 on the H200). Here the grouped launch's programs compute the gate and up tiles as
+they do, and the second of each (gate, up) pair to finish applies the activation to both
+(pallas_kernels/_triton_gemm_epilogue_kernels.gemm_swiglu_kernel). Not measured on a GPU yet (the
+twenty-fifth session had none); the form it replaces -- one program computing both tiles -- lost
+33-38 % on the H200 (docs/performance.md, eighteenth session).
 
 What it computes is, bit for bit, the two launches it replaces (the interpreter checks the logic,
-tests/test_triton_gemm_swiglu_interpreter.py; the H200 the bits):
+tests/test_triton_gemm_swiglu_interpreter.py; the GPU the bits):
 
     gate, up = gemm_group_triton(x, (w_gate, w_up), out_dtype=dtype)    # serial schedule
     act = silu_triton(gate, times=up)
 
 Each projection keeps its own launch's K chunks (the table's tile for its (N, K, dtype)); the
-launch shape may differ from the grouped launch's, which moves no bit (the H200 measured every
-launch shape on the same K chunks bit-identical: scripts/gpu_gemm_decode_tiles.py). No bias
-(SwiGLU's projections have none in every supported family).
+launch shape is the grouped launch's at that M. No bias (SwiGLU's projections have none in every
+supported family).
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._triton_launch import (INVARIANT, contiguous, dtype_name, jax_launch,
-                                           require_cuda_tensors, torch_dtype, torch_launch,
-                                           triton_available)
+from pallas_kernels._triton_launch import (INVARIANT, Counters, cdiv, contiguous, dtype_name,
+                                           jax_launch, require_cuda_tensors, torch_dtype,
+                                           torch_launch, triton_available)
 from pallas_kernels.gemm import FORMATS
 from pallas_kernels.gemm_epilogues import composes
 from pallas_kernels.registry import Priority, register
@@ -55,11 +56,16 @@ def _plan(x, w_gate, w_up, out_dtype, tile):
                          "to the model dtype")
     tile = tile or tile_for(n, k, x.dtype, m)
     _check_tile(k, tile)
-    # The dense launch's serial-schedule grid and constexprs, less what this kernel fixes (no
-    # bias, never split).
+    # The dense launch's serial-schedule constexprs, less what this kernel fixes (no bias, never
+    # split); twice its grid: a gate and an up tile per output tile.
     (grid, consts), _ = _launches(m, k, n, x.dtype, None, tile, "serial")
     consts = {key: v for key, v in consts.items() if key not in ("HAS_BIAS", "PARTIAL")}
-    return m, n, tile, grid, consts
+    return m, n, tile, (2 * grid[0],), consts
+
+
+def _pairs(m: int, n: int, tile: GemmTile) -> Counters:
+    """One arrival counter per output tile (its gate and up programs count on it)."""
+    return Counters(cdiv(m, tile.block_m) * cdiv(n, tile.block_n))
 
 
 def gemm_swiglu_triton(x, w_gate, w_up, *, out_dtype, tile: GemmTile | None = None):
@@ -67,9 +73,11 @@ def gemm_swiglu_triton(x, w_gate, w_up, *, out_dtype, tile: GemmTile | None = No
     m, n, tile, grid, consts = _plan(x, w_gate, w_up, out_dtype, tile)
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
-    return jax_launch(kernels().gemm_swiglu_kernel, (x, w_gate, w_up, m),
-                      jax.ShapeDtypeStruct((m, n), jnp.dtype(out_dtype)), grid,
-                      num_warps=tile.num_warps, num_stages=tile.num_stages, **consts)
+    out = jax.ShapeDtypeStruct((m, n), jnp.dtype(out_dtype))
+    *_, act = jax_launch(kernels().gemm_swiglu_kernel,
+                         (x, w_gate, w_up, m, _pairs(m, n, tile)), (out, out, out), grid,
+                         num_warps=tile.num_warps, num_stages=tile.num_stages, **consts)
+    return act
 
 
 def gemm_swiglu_triton_torch(x, w_gate, w_up, *, out_dtype, tile: GemmTile | None = None):
@@ -79,10 +87,12 @@ def gemm_swiglu_triton_torch(x, w_gate, w_up, *, out_dtype, tile: GemmTile | Non
     m, n, tile, grid, consts = _plan(x, w_gate, w_up, out_dtype, tile)
     require_cuda_tensors("gemm_swiglu_triton_torch", x, w_gate, w_up)
     x, w_gate, w_up = contiguous(x), contiguous(w_gate), contiguous(w_up)
-    out = torch.empty((m, n), dtype=torch_dtype(out_dtype), device=x.device)
+    gate, up, out = (torch.empty((m, n), dtype=torch_dtype(out_dtype), device=x.device)
+                     for _ in range(3))
     if m:
-        torch_launch(kernels().gemm_swiglu_kernel, (x, w_gate, w_up, m), (out,), grid,
-                     num_warps=tile.num_warps, num_stages=tile.num_stages, **consts)
+        torch_launch(kernels().gemm_swiglu_kernel, (x, w_gate, w_up, m, _pairs(m, n, tile)),
+                     (gate, up, out), grid, num_warps=tile.num_warps,
+                     num_stages=tile.num_stages, **consts)
     return out
 
 

@@ -4,9 +4,10 @@
     python scripts/gpu_gemm_swiglu.py [--out DIR] [--rows 1 16 64 256 1024 4096] [--smoke]
 
 An rl-bitwise step runs silu(gate) * up as a launch of its own after the gate/up grouped GEMM (32
-per step of an 8B model), reading gate and up back from memory. The experiment's launch computes
-a gate tile and the up tile of the same rows and columns in one program and applies the
-activation in registers.
+per step of an 8B model), reading gate and up back from memory. The experiment's launch runs the
+grouped launch's programs (one gate or one up tile each) and the second of each (gate, up) pair to
+finish applies the activation to both (the eighteenth session's form, one program computing both
+tiles, lost 33-38 %).
 
   bits    its output against the two launches it replaces (the engine's grouped gate/up launch,
           then silu_triton_torch(gate, times=up)), bf16 float bits, at every --rows and launch

@@ -35,7 +35,8 @@
 #                  not run yet)
 #   gemm_swiglu    scripts/gpu_gemm_swiglu.py: gate/up with SwiGLU's activation in the same launch (an
 #                  experiment): bits vs the grouped GEMM + SiLU and JAX vs torch, µs per layer at
-#                  M = 1..4096 for three launch shapes (not run yet)
+#                  M = 1..4096 for three launch shapes (the one-program form ran in the eighteenth
+#                  session; the pair form not yet)
 #   triton_call_ab_rl  rl-bitwise decode rows with jax-triton's legacy custom call, then the FFI
 #                  one (JENGINE_TRITON_CALL=ffi: the step one CUDA graph)
 #   gemm_decode_tiles2  timings only, per shape, of launch shapes around the table's by_m picks
@@ -57,6 +58,11 @@
 #                  add_norm,swiglu (JENGINE_GEMM_EPILOGUES: o_proj / down_proj with the boundary's
 #                  add + norm, gate/up with SwiGLU; bench.json's "kernels" names them) (run 2026-12-05: neither pays)
 #   goldens_check_epilogues  the H200 goldens with those leaves planned: every bit must be unchanged
+#   swiglu_ab      rl-bitwise's model rows (bs 1 / 16 / 64 / 256, the 4096-token prefill) today, then
+#                  with JENGINE_GEMM_EPILOGUES=swiglu: since the twenty-fifth session its launch is
+#                  the grouped gate/up launch's programs, the second of each pair applying the
+#                  activation (no SiLU launch); goldens_check_swiglu its bits (every bit unchanged
+#                  expected); gemm_swiglu the launch alone
 #   model_auto     auto's model rows (decode bs 1 / 64 / 256, ctx 1024, the 4096-token prefill), 20
 #                  iterations (the eighteenth session's change: auto's GEMMs without a bias write bf16
 #                  themselves; A/B: `before_model_auto model_auto` with .ab_before at 34c151a)
@@ -424,6 +430,10 @@ for s in "$@"; do
     profile_auto_unmerged)
       XLA_FLAGS="--xla_disable_hlo_passes=dot-merger" step profile_bs1_auto_unmerged 90 python3 scripts/gpu_profile_step.py --numerics auto --batch 1 --tag _unmerged --out "$out"
       XLA_FLAGS="--xla_disable_hlo_passes=dot-merger" step profile_prefill_auto_unmerged 150 python3 scripts/gpu_profile_step.py --numerics auto --prefill 4096 --steps 3 --tag _unmerged --out "$out" ;;
+    swiglu_ab)  # rl-bitwise model rows today, then with SwiGLU's activation in the gate/up launch (the pair form)
+      step model_rl_silu_launch 240 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 16 64 256 --long-context 0 --part-timeout 230 --out "$out/model_rl_silu_launch"
+      JENGINE_GEMM_EPILOGUES=swiglu step model_rl_swiglu 240 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 16 64 256 --long-context 0 --part-timeout 230 --out "$out/model_rl_swiglu" ;;
+    goldens_check_swiglu) JENGINE_GEMM_EPILOGUES=swiglu step goldens_check_swiglu 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
     goldens_check_epilogues) JENGINE_GEMM_EPILOGUES=add_norm,swiglu step goldens_check_epilogues 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
     attention_pages_ab)  # page ids per tile vs per split, every launch: bits (0 rows expected), µs
       step attention_split_pages 150 python3 scripts/gpu_attention_split.py --pages-ab --configs 4,2 4,3 4,4 4,3,0,0,128 4,3,0,0,64 --out "$out/attention_split_pages"

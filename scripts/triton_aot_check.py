@@ -133,7 +133,9 @@ def gemm_kernels():
     swiglu = {tile for (n, k), members, tile in launches if members == [14336, 14336]}
     for tile in sorted(swiglu, key=lambda t: t.describe()):
         for flat in (False, True):
-            args = dict(x_ptr="*bf16", wg_ptr="*bf16", wu_ptr="*bf16", M="i32", out_ptr="*bf16")
+            args = dict(x_ptr="*bf16", wg_ptr="*bf16", wu_ptr="*bf16", M="i32",
+                        sem_in_ptr="*i32", gate_ptr="*bf16", up_ptr="*bf16", out_ptr="*bf16",
+                        sem_ptr="*i32")
             consts = dict(N=14336, K=4096, IEEE_F32=False, BM=tile.block_m, BN=tile.block_n,
                           BK=tile.block_k, GROUP_M=tile.group_m, KSPLIT=tile.k_split,
                           FLAT_K=flat)

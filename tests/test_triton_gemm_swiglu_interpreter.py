@@ -1,9 +1,10 @@
 """SwiGLU's projections and activation in one launch (pallas_kernels/triton_gemm_swiglu.py, an
-experiment not yet a leaf) on the CPU, under Triton's interpreter: its output has the bits of the
-two launches it replaces -- the grouped gate/up GEMM, then silu(gate, times=up) -- for one and
-several row tiles, masked columns, k_split 1 / 2 / 4, and the flat K loop; the check fails when the
-activation reads the f32 projections instead of the rounded ones (the control). The interpreter
-checks the logic; the H200's bits and time are scripts/gpu_gemm_swiglu.py's to measure."""
+experiment planned only on request) on the CPU, under Triton's interpreter: its output has the
+bits of the two launches it replaces -- the grouped gate/up GEMM, then silu(gate, times=up) -- for
+one and several row tiles, masked columns, k_split 1 / 2 / 4, and the flat K loop; the check fails
+when the activation reads the f32 projections instead of the rounded ones, and when a pair's
+activation runs before both its tiles are stored (the controls). The interpreter checks the
+logic; the GPU's bits and time are scripts/gpu_gemm_swiglu.py's to measure."""
 
 from __future__ import annotations
 
@@ -67,6 +68,34 @@ def test_negative_control_the_activation_of_unrounded_projections_differs(operan
                 for w in (wg, wu))
     unrounded = (gate / (1 + torch.exp(-gate)) * up).to(torch.bfloat16)
     assert _differ(unrounded, _two_launches(x, wg, wu, TILES[2])) > 0
+
+
+def _launch_on_counters(x, wg, wu, tile, start: int):
+    """The leaf's launch with every pair counter starting at `start`: (act, counters after)."""
+    from pallas_kernels import _triton_launch
+
+    m, n, tile, grid, consts = triton_gemm_swiglu._plan(x, wg, wu, torch.bfloat16, tile)
+    gate, up, act = (torch.zeros((m, n), dtype=torch.bfloat16) for _ in range(3))
+    sems = torch.full((triton_gemm_swiglu._pairs(m, n, tile).size,), start, dtype=torch.int32)
+    _triton_launch.torch_launch(triton_gemm_swiglu.kernels().gemm_swiglu_kernel,
+                                (x, wg, wu, m, sems), (gate, up, act, sems), grid,
+                                num_warps=tile.num_warps, num_stages=tile.num_stages, **consts)
+    return act, sems
+
+
+def test_negative_control_a_pair_activated_before_both_tiles_are_stored_differs(operands):
+    """Each pair's activation runs in the second of its two programs to count itself. With the
+    counters starting at 1 the first program of each pair activates against the other tile not
+    yet stored (zeros here), and the output differs: the check above can fail on the pairing.
+    From zero, the counters end at zero (the next launch may count in the same buffer) and the
+    output is the two launches'; from 1 they end at 1."""
+    x, wg, wu = operands
+    tile = TILES[2]
+    want = _two_launches(x[:17], wg, wu, tile)
+    act, sems = _launch_on_counters(x[:17], wg, wu, tile, 0)
+    assert _differ(act, want) == 0 and int(sems.abs().sum()) == 0
+    act, sems = _launch_on_counters(x[:17], wg, wu, tile, 1)
+    assert _differ(act, want) > 0 and bool((sems == 1).all())
 
 
 def test_bad_input_names_what_is_wrong(operands):
