@@ -98,6 +98,42 @@ def test_negative_control_a_pair_activated_before_both_tiles_are_stored_differs(
     assert _differ(act, want) > 0 and bool((sems == 1).all())
 
 
+def test_the_jax_launch_passes_the_kernels_arguments_in_order(monkeypatch):
+    """The JAX launch (jax-triton, absent here, replaced by a recorder) passes x, the two weights,
+    M and the pair counters, then asks for gate, up and the activation -- the kernel's parameters
+    in order, the counters last on both sides (_triton_launch.jax_launch) -- and returns the
+    activation, the counters kept inside."""
+    import inspect
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels import _triton_launch
+
+    calls = []
+
+    def triton_call(*args, kernel, out_shape, input_output_aliases, **consts):
+        calls.append((args, out_shape, input_output_aliases, consts))
+        return [jnp.full(s.shape, i, s.dtype) for i, s in enumerate(out_shape)]
+
+    monkeypatch.setattr(_triton_launch, "import_jax_triton",
+                        lambda: type("JT", (), {"triton_call": staticmethod(triton_call)}))
+    monkeypatch.setattr(_triton_launch, "_register_ffi_lowering", lambda jt: None)
+    x = jnp.ones((3, K), jnp.bfloat16)
+    w = jnp.ones((K, N), jnp.bfloat16)
+    act = triton_gemm_swiglu.gemm_swiglu_triton(x, w, w, out_dtype=jnp.bfloat16, tile=TILES[2])
+    ((args, outs, aliases, consts),) = calls
+    params = [p for p, v in inspect.signature(
+        triton_gemm_swiglu.kernels().gemm_swiglu_kernel.fn).parameters.items()
+        if v.annotation != "tl.constexpr"]
+    assert len(args) + len(outs) == len(params) == 9
+    assert args[3] == 3 and [o.shape for o in outs] == [(3, N)] * 3 + [(args[4].shape[0],)]
+    assert args[4].shape == (triton_gemm_swiglu._pairs(3, N, TILES[2]).size,)  # one per tile
+    assert aliases == {3: 3}  # the counters: array input 3, output 3
+    assert consts["grid"] == (2 * 3,)  # a gate and an up program per output tile (1 x 3 tiles)
+    assert np.asarray(act).tolist() == np.full((3, N), 2).tolist()  # the third output
+
+
 def test_bad_input_names_what_is_wrong(operands):
     x, wg, wu = operands
     call = triton_gemm_swiglu.gemm_swiglu_triton_torch
