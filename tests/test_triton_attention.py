@@ -238,6 +238,29 @@ def test_auto_wide_tile_computes_every_row_of_a_prefill_step(setup, monkeypatch)
         np.testing.assert_allclose(wide[i], _reference(q[r][p], *seqs[r], p), atol=1e-5, rtol=0)
 
 
+def _bf16(setup):
+    """The setup's pool and queries rounded to bf16, and its sequences rounded alike for the
+    float64 reference (which then measures the kernel's own bf16 arithmetic only)."""
+    k, v, tables, seqs, q, lengths = setup
+
+    def rounded(a):
+        return torch.from_numpy(a).to(torch.bfloat16)
+
+    return (k.to(torch.bfloat16), v.to(torch.bfloat16), tables,
+            [tuple(rounded(a).float().numpy() for a in seq) for seq in seqs],
+            {r: rounded(a).float().numpy() for r, a in q.items()}, lengths)
+
+
+def _bf16_step(setup, rows, schedule=None, wide=False):
+    """_step on a _bf16 setup (wide: auto's triton_wide_prefill leaf)."""
+    k, v, tables, _, q, _ = setup
+    qb = torch.from_numpy(np.stack([q[r][p] for r, p in rows])).to(torch.bfloat16)
+    req, pos = _req_pos(rows)
+    out = ta.paged_attention_triton_torch(qb, (k, v), tables, req, pos, scale=SCALE,
+                                          schedule=schedule, wide=wide)
+    return out.float().numpy()
+
+
 def test_auto_wide_tile_in_bf16_reads_kv_in_its_own_tiles(setup, monkeypatch):
     """In bf16 auto's wide tile also takes its own KV tile (WIDE_BLOCK_N, another algorithm than
     the f32 case above runs): every row is still attention over exactly its own positions (rows
@@ -246,20 +269,15 @@ def test_auto_wide_tile_in_bf16_reads_kv_in_its_own_tiles(setup, monkeypatch):
     rounded once): under the interpreter the largest error is 0.011 with either KV tile (32 or
     64 positions; |o| <= 1.61), so 3e-2 absolute, still below what a row given wrong tiles is off
     by (the control below fails it)."""
-    k, v, tables, seqs, q, lengths = setup
+    b = _bf16(setup)
     monkeypatch.setattr(tap, "WIDE_MIN_TOKENS", 40)
     rows = [(0, 44), (2, 3)] + [(1, p) for p in range(230, 290)]
-    kb, vb, qb = k.to(torch.bfloat16), v.to(torch.bfloat16), _q(q, rows).to(torch.bfloat16)
-    c = tap.constexprs(qb, kb)
+    c = tap.constexprs(torch.zeros((len(rows), HQ, D), dtype=torch.bfloat16), b[0])
     assert tap.widened(c, len(rows), "serial", auto=True)["BLOCK_N"] == tap.WIDE_BLOCK_N
-    req, pos = _req_pos(rows)
-    wide = ta.paged_attention_triton_wide_torch(qb, (kb, vb), tables, req, pos, scale=SCALE)
-    wide = wide.float().numpy()
-    as_bf16 = [tuple(torch.from_numpy(a).to(torch.bfloat16).float().numpy() for a in seq)
-               for seq in seqs]
+    wide = _bf16_step(b, rows, wide=True)
     for i, (r, p) in enumerate(rows):
-        ref = _reference(qb[i].float().numpy(), *as_bf16[r], p)
-        np.testing.assert_allclose(wide[i], ref, atol=3e-2, rtol=0)
+        np.testing.assert_allclose(wide[i], _reference(b[4][r][p], *b[3][r], p), atol=3e-2,
+                                   rtol=0)
 
 
 def test_negative_control_the_bf16_wide_check_fails_on_wrong_tiles(setup, monkeypatch):
@@ -405,6 +423,15 @@ def test_with_a_layout_free_row_sum_it_is_still_attention_and_one_algorithm(setu
 # -- the KV tile (JENGINE_ATTENTION_KV_TILE, an experiment: 64 positions is another definition) --
 
 
+def _planned(rows, auto=False, dtype=torch.bfloat16):
+    """(schedule, TPP, BLOCK_N, PAGES, stages, register bound) the leaf plans for a step of
+    `rows` token rows of this module's heads (auto: triton_wide_prefill)."""
+    pool = torch.zeros((8, PAGE, HKV, D), dtype=dtype)
+    schedule, c, launch = tap.plan(torch.zeros((rows, HQ, D), dtype=dtype), pool, None, auto)
+    return (schedule, c["TPP"], c["BLOCK_N"], c["PAGES"], launch["num_stages"],
+            launch.get("maxnreg"))
+
+
 def test_the_kv_tile_switch_plans_every_bf16_launch_and_is_refused_by_name(monkeypatch):
     """JENGINE_ATTENTION_KV_TILE: unset, BLOCK_N (32) in every launch; "64", every bf16 launch of
     both leaves -- split, narrow serial, rl-bitwise's and auto's wide tile -- on 64-position KV
@@ -414,9 +441,8 @@ def test_the_kv_tile_switch_plans_every_bf16_launch_and_is_refused_by_name(monke
     monkeypatch.delenv(tap.PAGES_ENV, raising=False)
 
     def plan(rows, auto=False, dtype=torch.bfloat16):  # (BLOCK_N, stages) of each launch
-        pool = torch.zeros((8, PAGE, HKV, D), dtype=dtype)
-        _, c, launch = tap.plan(torch.zeros((rows, HQ, D), dtype=dtype), pool, None, auto)
-        return c["BLOCK_N"], launch["num_stages"]
+        planned = _planned(rows, auto, dtype)
+        return planned[2], planned[4]
 
     steps = ((4, False), (33, False), (64, False), (64, True))  # split, narrow, wide x 2
     monkeypatch.delenv(tap.KV_TILE_ENV, raising=False)
@@ -427,28 +453,6 @@ def test_the_kv_tile_switch_plans_every_bf16_launch_and_is_refused_by_name(monke
     monkeypatch.setenv(tap.KV_TILE_ENV, "128")
     with pytest.raises(ValueError, match="JENGINE_ATTENTION_KV_TILE='128'"):
         plan(4)
-
-
-def _bf16(setup):
-    """The setup's pool and queries rounded to bf16 (the switch moves bf16 launches only), and
-    its sequences rounded alike for the float64 reference."""
-    k, v, tables, seqs, q, lengths = setup
-
-    def rounded(a):
-        return torch.from_numpy(a).to(torch.bfloat16)
-
-    return (k.to(torch.bfloat16), v.to(torch.bfloat16), tables,
-            [tuple(rounded(a).float().numpy() for a in seq) for seq in seqs],
-            {r: rounded(a).float().numpy() for r, a in q.items()}, lengths)
-
-
-def _bf16_step(setup, rows, schedule=None):
-    k, v, tables, _, q, _ = setup
-    qb = torch.from_numpy(np.stack([q[r][p] for r, p in rows])).to(torch.bfloat16)
-    req, pos = _req_pos(rows)
-    out = ta.paged_attention_triton_torch(qb, (k, v), tables, req, pos, scale=SCALE,
-                                          schedule=schedule)
-    return out.float().numpy()
 
 
 def test_on_64_position_kv_tiles_it_is_still_attention_and_one_algorithm(setup, monkeypatch):
@@ -502,29 +506,22 @@ def test_the_pages_switch_plans_each_launch_and_is_refused_by_name(monkeypatch):
     pages = tap.pages_per_split(PAGE)
     monkeypatch.setattr(tap, "WIDE_MIN_TOKENS", 40)
 
-    def plan(rows, auto=False):  # (schedule, TPP, BLOCK_N, PAGES, stages, register bound)
-        pool = torch.zeros((8, PAGE, HKV, D), dtype=torch.bfloat16)
-        schedule, c, launch = tap.plan(torch.zeros((rows, HQ, D), dtype=torch.bfloat16), pool,
-                                       None, auto)
-        return (schedule, c["TPP"], c["BLOCK_N"], c["PAGES"], launch["num_stages"],
-                launch.get("maxnreg"))
-
     geo = tap.geometry(HQ, HKV, D)
     narrow, wide = geo["TPP"], tap.WIDE_ROWS // geo["GP"]
     steps = ((4, False), (33, False), (64, False), (64, True))  # split, narrow serial, wide x 2
     monkeypatch.delenv(tap.PAGES_ENV, raising=False)
-    assert [plan(*step) for step in steps] == [
+    assert [_planned(*step) for step in steps] == [
         ("split", narrow, tap.BLOCK_N, pages, tap.PAGES_STAGES, None),
         ("serial", narrow, tap.BLOCK_N, pages, tap.PAGES_STAGES, tap.PAGES_MAXNREG),
         ("serial", wide, tap.BLOCK_N, pages, tap.PAGES_STAGES, None),
         ("serial", wide, tap.WIDE_BLOCK_N, pages, tap.NUM_STAGES, None)]
     monkeypatch.setenv(tap.PAGES_ENV, "tile")
-    assert [plan(*step)[3:] for step in steps] == [(0, tap.NUM_STAGES, None)] * 4
+    assert [_planned(*step)[3:] for step in steps] == [(0, tap.NUM_STAGES, None)] * 4
     monkeypatch.setenv(tap.PAGES_ENV, "split")
-    assert [plan(*step)[3:] for step in steps] == [(pages, tap.PAGES_STAGES, None)] * 4
+    assert [_planned(*step)[3:] for step in steps] == [(pages, tap.PAGES_STAGES, None)] * 4
     monkeypatch.setenv(tap.PAGES_ENV, "ahead")
     with pytest.raises(ValueError, match="JENGINE_ATTENTION_PAGES='ahead'"):
-        plan(4)
+        _planned(4)
 
 
 def _page_launches(setup, tables):
