@@ -24,10 +24,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-# (rows per program, warps). One row on 2 / 4 warps: the decode rows' candidates (sm_90 PTX of the
-# one-row launch: 2 / 5 barriers and 16 / 28 shared-memory stores on 2 / 4 warps, against 8 and 38
-# on today's 8; bs 1 spends 64 launches of ~4.7 µs on the boundary, H200 profile_bs1).
-PLANS = [(1, 2), (1, 4), (2, 4), (2, 8), (4, 4), (4, 8), (4, 16), (8, 8)]
+# (rows per program, warps). One row on 1 / 2 / 4 warps: the decode rows' candidates (sm_90 PTX of
+# the one-row launch: 0 / 2 / 5 barriers and 0 / 16 / 28 shared-memory stores on 1 / 2 / 4 warps,
+# against 8 and 38 on today's 8 -- on one warp the halving tree is in-thread adds and shuffles
+# only, at 255 registers without spill; bs 1 spends 64 launches of ~4.7 µs on the boundary, H200
+# profile_bs1).
+PLANS = [(1, 1), (1, 2), (1, 4), (2, 4), (2, 8), (4, 4), (4, 8), (4, 16), (8, 8)]
 
 
 def main() -> int:
