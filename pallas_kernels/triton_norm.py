@@ -63,11 +63,15 @@ def rmsnorm_triton(x, weight, *, eps):
 
 
 # (min rows, rows per program, warps) of the unfused boundary's launch on several rows per
-# program, first match from the top; below every rule one row per program (add_rmsnorm_kernel).
-# H100, µs per launch at hidden 4096 (scripts/gpu_norm_rows.py, twenty-fourth session): 1024 rows
-# 68.4 -> 55.0, 4096 rows 140.0 -> 96.0 on two rows per program and 4 warps (4 rows: 57.3 /
-# 116.5; 8 warps slower); at 256 rows and fewer no plan won. 0 outputs differ in every plan.
-ROWS_PLAN: tuple[tuple[int, int, int], ...] = ((1024, 2, 4),)
+# program, first match from the top; below every rule one row per program (add_rmsnorm_kernel, on
+# _launch_params' warps: 8 at hidden 4096). One row per program on one warp at every M: the halving
+# tree is then in-thread adds and shuffles only (sm_90: no barrier, no shared memory; 8 warps: 8
+# barriers, 38 shared-memory stores). H100, µs per launch at hidden 4096, device time of 32
+# launches in a CUDA graph (scripts/gpu_norm_rows.py, twenty-sixth session), one-row kernel ->
+# this: M 1 4.4 -> 2.1, 64 4.8 -> 2.5, 256 8.4 -> 3.6, 1024 26.4 -> 8.2 (the twenty-fourth
+# session's two rows on 4 warps: 13.7), 4096 99.3 -> 48.3 (54.1; one row on 2 warps 46.8). 0
+# outputs differ in every plan at every M.
+ROWS_PLAN: tuple[tuple[int, int, int], ...] = ((1, 1, 1),)
 
 
 def rows_plan(m: int, round_sum: bool, plan=None) -> tuple[int, int] | None:

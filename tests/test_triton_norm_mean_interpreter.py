@@ -65,16 +65,16 @@ def test_several_rows_per_program_give_the_one_row_kernels_bits(width):
         x, r = (torch.randn(m, width, generator=gen).mul(3).to(torch.bfloat16) for _ in range(2))
         w = torch.randn(width, generator=gen).to(torch.bfloat16)
         one = triton_norm.add_rmsnorm_triton_torch(x, r, w, eps=1e-5, round_sum=True, plan=())
-        for rows in (2, 4):
-            assert triton_norm.rows_plan(m, True, ((1, rows, 4),)) == (rows, 4)
+        for rows, warps in ((1, 1), (2, 4), (4, 4)):
+            assert triton_norm.rows_plan(m, True, ((1, rows, warps),)) == (rows, warps)
             got = triton_norm.add_rmsnorm_triton_torch(x, r, w, eps=1e-5, round_sum=True,
-                                                       plan=((1, rows, 4),))
+                                                       plan=((1, rows, warps),))
             for a, b in zip(got, one):
                 assert count_bit_differences(a.float().numpy(), b.float().numpy()) == 0, (m, rows)
         f32_sum, _ = triton_norm.add_rmsnorm_triton_torch(x, r, w, eps=1e-5)
         assert count_bit_differences(f32_sum.float().numpy(), one[0].float().numpy()) > 0, m
-    # Only the rounded sum may take several rows: the fused boundary's never does. The shipped
-    # plan: prefills of 1024 rows or more, the H100's measurement (scripts/gpu_norm_rows.py).
+    # Only the rounded sum may take the rows launch: the fused boundary's never does. The shipped
+    # plan: one row per program on one warp at every M, the H100's measurement
+    # (scripts/gpu_norm_rows.py, twenty-sixth session).
     assert triton_norm.rows_plan(4096, False, ((1, 4, 8),)) is None
-    assert triton_norm.rows_plan(1023, True) is None
-    assert triton_norm.rows_plan(1024, True) == (2, 4) == triton_norm.rows_plan(4096, True)
+    assert triton_norm.rows_plan(1, True) == (1, 1) == triton_norm.rows_plan(4096, True)
