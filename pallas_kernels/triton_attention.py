@@ -42,8 +42,9 @@ session**: on the H200 every (ROWS, warps) launch gives 0 differing rows, the tr
 MATCHes with the twin on the wide tile, the production harness passes, and rl-bitwise's 4096-token
 prefill takes the wide tile (172.6 -> 147.9 ms) for decode +0-3 % (docs/performance.md).
 `JENGINE_ATTENTION_ROWSUM=triton` gives back Triton's own sum (the older definition).
-`JENGINE_ATTENTION_KV_TILE=64` (an experiment, not measured in the model yet) is another
-definition: every bf16 launch, engine and twin, on 64-position KV tiles (triton_attention_plan).
+`JENGINE_ATTENTION_KV_TILE=64` is another definition: every bf16 launch, engine and twin, on
+64-position KV tiles (triton_attention_plan; H100: rl-bitwise's prefill 1.12x -> 1.10x auto's,
+decode unchanged; not the default until the device aligns it and records its goldens).
 
 Where the K/V rows come from is not part of the algorithm: with the page ids per split (the
 default, planned per launch by `paged`: JENGINE_ATTENTION_PAGES below) a split's page ids are

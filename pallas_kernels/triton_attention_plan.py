@@ -31,14 +31,14 @@ NUM_WARPS, NUM_STAGES = 4, 2
 ROWSUM_ENV = "JENGINE_ATTENTION_ROWSUM"
 # JENGINE_ATTENTION_KV_TILE=32 (the default, BLOCK_N) / 64 -- KV positions per tile of every bf16
 # launch, the engine's and the twin's: a numerics definition each (the online softmax steps a
-# tile at a time). An experiment, not measured in the model (twenty-fifth session, no device):
-# auto's wide tile ran -4 to -7 % faster on 64 (eighteenth session); rl-bitwise's prefill
-# attention, on 32, took 35.9 ms of a 4096-token chunk where auto's took 32.5 (H100, twenty-fourth
-# session) -- the KV tile is the difference, and 3.4 ms is more than the 1.10x prefill goal lacks;
-# a bs 1 decode split walks 4 tiles instead of 8. The decode launches on 64 take more registers
-# (sm_90 ptxas: narrow serial 168 unbounded, split 152 vs 104-128 on 32). f32 keeps BLOCK_N: its
-# launch would spill 23 KB per thread at 64. gpu_run.sh kvtile_ab_rl / _auto, accept_llama_kv64,
-# goldens_record_kv64 are the device's steps; adopting it means new goldens, like the dot sum.
+# tile at a time). Measured in the model (H100, twenty-sixth session, kvtile_ab_rl / _auto):
+# rl-bitwise's 4096-token prefill 142.4 -> 139.7 ms on 64, 1.12x -> 1.10x auto's (auto's prefill
+# attention reads 64 already); decode within the runs' spread (rl-bitwise bs 1 / 64 / 256 7.05 /
+# 10.37 / 22.61 -> 7.03 / 10.39 / 22.71 ms pipelined). Not the default yet: adopting it needs the
+# trainer alignment, the production harness and new goldens on the device (accept_llama_kv64,
+# harness_prod_llama_kv64, goldens_record_kv64; no machine could be started for them). The
+# decode launches on 64 take more registers (sm_90 ptxas: narrow serial 168 unbounded, split 152
+# vs 104-128 on 32). f32 keeps BLOCK_N: its launch would spill 23 KB per thread at 64.
 KV_TILE_ENV = "JENGINE_ATTENTION_KV_TILE"
 KV_TILES = (BLOCK_N, 64)
 # JENGINE_ATTENTION_PAGES -- where a launch's K/V page ids come from; never the bits (only the

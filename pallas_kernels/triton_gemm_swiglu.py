@@ -7,9 +7,12 @@ Why: an rl-bitwise decode step runs the gate/up grouped GEMM and then silu(gate)
 of its own (32 per step of an 8B model, each with a gap before it: ~2 µs of kernel and ~1.7 µs of
 gap at bs 1 on the H200). Here the grouped launch's programs compute the gate and up tiles as
 they do, and the second of each (gate, up) pair to finish applies the activation to both
-(pallas_kernels/_triton_gemm_epilogue_kernels.gemm_swiglu_kernel). Not measured on a GPU yet (the
-twenty-fifth session had none); the form it replaces -- one program computing both tiles -- lost
-33-38 % on the H200 (docs/performance.md, eighteenth session).
+(pallas_kernels/_triton_gemm_epilogue_kernels.gemm_swiglu_kernel). It does not pay: on the H100
+rl-bitwise's model rows were slower with it (pipelined bs 1 7.11 -> 7.31 ms, bs 16 7.70 -> 7.89,
+the 4096-token prefill 142.2 -> 145.7; bs 64 / 256 within noise; twenty-sixth session, swiglu_ab):
+the pair's second program waits on the first's tile and reads it back, which costs more than the
+launch it removes. The form before it -- one program computing both tiles -- lost 33-38 % on the
+H200 (docs/performance.md, eighteenth session). Kept as the switch's leaf, off.
 
 What it computes is, bit for bit, the two launches it replaces (the interpreter checks the logic,
 tests/test_triton_gemm_swiglu_interpreter.py; the GPU the bits):

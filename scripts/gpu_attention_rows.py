@@ -75,8 +75,9 @@ def make_case(gen, lengths, new_tokens):
     return q, k, v, table.to(DEV), req.to(DEV), pos.to(DEV)
 
 
-def serial(case, tpp, warps, stages, block_n=tap.BLOCK_N, split=tap.SPLIT):
+def serial(case, tpp, warps, stages, block_n=None, split=tap.SPLIT):
     q, k, v, table, req, pos = case
+    block_n = block_n or tap.kv_tile(False)  # the leaf's bf16 KV tile
     c = constexprs(q, k, TPP=tpp, SPLIT=split, BLOCK_N=block_n)
     tiles = ta.tiles_torch(req, pos, tpp)
     out = torch.empty_like(q)
@@ -188,7 +189,7 @@ def main() -> int:
               f"{max_error(ref, exact):.3g}, mean {mean_error(ref, exact):.3g}", flush=True)
         for cfg in configs:
             tpp, warps, stages = cfg[:3]
-            block_n = cfg[3] if len(cfg) > 3 else tap.BLOCK_N
+            block_n = cfg[3] if len(cfg) > 3 else tap.kv_tile(False)
             split = cfg[4] if len(cfg) > 4 else tap.SPLIT
             launch = dict(block_n=block_n, split=split)
             try:

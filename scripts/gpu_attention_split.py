@@ -5,10 +5,10 @@ the merge now runs in the split launch's last program per tile).
 
     python scripts/gpu_attention_split.py [--out DIR] [--smoke]
 
-The split kernel's programs each walk SPLIT / BLOCK_N = 8 KV tiles; num_stages sets how many
-tiles' loads are in flight ahead of the math, num_warps how many warps share a tile's rows (which
-could change the row sums' order: measured here). The block table is as wide as the engine's for
-an 8k context (33 splits per row, most of them empty programs at ctx 1024), as the model bench
+The split kernel's programs each walk SPLIT / BLOCK_N = 8 KV tiles (4 on 64); num_stages sets how
+many tiles' loads are in flight ahead of the math, num_warps how many warps share a tile's rows
+(which could change the row sums' order: measured here). The block table is as wide as the engine's
+for an 8k context (33 splits per row, most of them empty programs at ctx 1024), as the model bench
 runs it. Every output's float bits are compared with the serial schedule's (the reference every
 other step runs) and with today's split launch (4 warps, 2 stages); the control (SPLIT 128) must
 differ. Llama-3-8B heads, bf16, shuffled 16-token pages; device µs of the split launch, captured in
@@ -44,7 +44,7 @@ def _launch_constexprs(q, k, tpp, block_n, split, pages):
     """The leaf's constexprs with a config's TPP / BLOCK_N / SPLIT (None or 0: the leaf's) and,
     where `pages` is not None, that PAGES (0: page ids per tile;
     triton_attention_plan.pages_per_split: per split)."""
-    c = rows_exp.constexprs(q, k, SPLIT=split or tap.SPLIT, BLOCK_N=block_n or tap.BLOCK_N)
+    c = rows_exp.constexprs(q, k, SPLIT=split or tap.SPLIT, BLOCK_N=block_n or tap.kv_tile(False))
     c["TPP"] = tpp or c["TPP"]
     if pages is not None:
         c["PAGES"] = pages

@@ -62,7 +62,8 @@
 #                  with JENGINE_GEMM_EPILOGUES=swiglu: since the twenty-fifth session its launch is
 #                  the grouped gate/up launch's programs, the second of each pair applying the
 #                  activation (no SiLU launch); goldens_check_swiglu its bits (every bit unchanged
-#                  expected); gemm_swiglu the launch alone
+#                  expected); gemm_swiglu the launch alone (run 2026-12-05 on an H100: bs 1 +2.8 %,
+#                  prefill +2.5 %; not kept)
 #   model_auto     auto's model rows (decode bs 1 / 64 / 256, ctx 1024, the 4096-token prefill), 20
 #                  iterations (the eighteenth session's change: auto's GEMMs without a bias write bf16
 #                  themselves; A/B: `before_model_auto model_auto` with .ab_before at 34c151a)
@@ -102,6 +103,10 @@
 #                  alone: attention_tiles_dot, attention_rows_dot_splits)
 #   accept_llama_kv64, harness_prod_llama_kv64, goldens_record_kv64  alignment MATCH, the
 #                  production harness and the goldens ($out/h200_kv64.json) on 64
+#                  (kvtile_ab ran 2026-12-05 on an H100: prefill 1.12x -> 1.10x auto, decode
+#                  unchanged; these three have not run)
+#   goldens_check_kv32  the goldens with JENGINE_ATTENTION_KV_TILE=32 set (tests/goldens/
+#                  h200_kv32.json once 64 is the default, h200.json until then)
 #   The page ids per split (JENGINE_ATTENTION_PAGES: "planned", the default since the twenty-third
 #   session, "tile" the older form, "split" every launch; the same bits every way: each split's
 #   page ids loaded once so the tiles' K/V copies run a tile ahead, on 3 stages):
@@ -409,6 +414,9 @@ for s in "$@"; do
       JENGINE_ATTENTION_KV_TILE=64 step "$s" 420 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases llama ;;
     harness_prod_llama_kv64)  # after accept_llama_kv64
       JENGINE_ATTENTION_KV_TILE=64 step "$s" 300 python3 -m jengine.cli invariance --model /tmp/acceptance/llama --numerics rl-bitwise --max-new-tokens 8 ;;
+    goldens_check_kv32)  # the goldens on 32-position KV tiles set explicitly: h200_kv32.json once 64 is the default, h200.json until then
+      g=tests/goldens/h200_kv32.json; [ -f "$g" ] || g=tests/goldens/h200.json
+      JENGINE_ATTENTION_KV_TILE=32 step goldens_check_kv32 560 python3 scripts/goldens.py check "$g" --device cuda ;;
     goldens_record_kv64)  # the goldens on 64-position KV tiles (what adopting them as the definition would record)
       JENGINE_ATTENTION_KV_TILE=64 step goldens_record_kv64 560 python3 scripts/goldens.py record --sections tiny families production --device cuda --out "$out/h200_kv64.json" ;;
     accept_*) step "$s" 420 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases "${s#accept_}" ;;
