@@ -77,8 +77,8 @@ def make_case(gen, lengths, new_tokens):
 
 def serial(case, tpp, warps, stages, block_n=None, split=tap.SPLIT):
     q, k, v, table, req, pos = case
-    block_n = block_n or tap.kv_tile(False)  # the leaf's bf16 KV tile
-    c = constexprs(q, k, TPP=tpp, SPLIT=split, BLOCK_N=block_n)
+    c = constexprs(q, k, TPP=tpp, SPLIT=split)
+    c["BLOCK_N"] = block_n or c["BLOCK_N"]  # by default the leaf's (tap.constexprs: kv_tile)
     tiles = ta.tiles_torch(req, pos, tpp)
     out = torch.empty_like(q)
     t = q.shape[0]

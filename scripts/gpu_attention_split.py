@@ -44,8 +44,9 @@ def _launch_constexprs(q, k, tpp, block_n, split, pages):
     """The leaf's constexprs with a config's TPP / BLOCK_N / SPLIT (None or 0: the leaf's) and,
     where `pages` is not None, that PAGES (0: page ids per tile;
     triton_attention_plan.pages_per_split: per split)."""
-    c = rows_exp.constexprs(q, k, SPLIT=split or tap.SPLIT, BLOCK_N=block_n or tap.kv_tile(False))
+    c = rows_exp.constexprs(q, k, SPLIT=split or tap.SPLIT)
     c["TPP"] = tpp or c["TPP"]
+    c["BLOCK_N"] = block_n or c["BLOCK_N"]
     if pages is not None:
         c["PAGES"] = pages
     return c
