@@ -93,12 +93,34 @@ def add_rmsnorm_triton(x, residual, weight, *, eps, round_sum=False):
     if rows is not None:
         return jax_launch(kernels().add_rmsnorm_rows_kernel,
                           (x, residual, weight, np.float32(eps), m), outs, (cdiv(m, rows[0]),),
-                          num_warps=rows[1], num_stages=1, ROWS=rows[0], **consts)
+                          num_warps=rows[1], num_stages=1, ROWS=rows[0], ROUND_SUM=True, **consts)
     normed, new_residual = jax_launch(kernels().add_rmsnorm_kernel,
                                       (x, residual, weight, np.float32(eps)), outs, (m,),
                                       num_warps=warps, num_stages=1, ROUND_SUM=bool(round_sum),
                                       **consts)
     return normed, new_residual
+
+
+# auto's layer boundary (no bit contract: the fused f32 sum feeds the norm) on the rows launch's
+# one-row, one-warp form up to AUTO_MAX_M rows, XLA's two fusions above. At decode rows XLA runs an
+# add and a norm kernel per boundary (H200, twenty-fourth session, bs 1: 1.9 + 1.8 us, 63 of each
+# per step) where this launch took 2.1 (rl-bitwise's rounded sum, twenty-sixth session, H100);
+# at prefill M the one-warp launch reaches ~2.8 TB/s (48.3 us at 4096 rows), which XLA's pair
+# may beat, so it keeps them there until a device run says otherwise.
+AUTO_MAX_M = 256
+
+
+def add_rmsnorm_auto(x, residual, weight, *, eps, round_sum=False):
+    m, h = _check("add_rmsnorm", x, weight, residual)
+    if m == 0 or m > AUTO_MAX_M:
+        from pallas_kernels.rmsnorm import add_rmsnorm_xla_native
+
+        return add_rmsnorm_xla_native(x, residual, weight, eps=eps, round_sum=round_sum)
+    consts, _ = _launch_params(h)
+    outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype))
+    return jax_launch(kernels().add_rmsnorm_rows_kernel, (x, residual, weight, np.float32(eps), m),
+                      outs, (m,), num_warps=1, num_stages=1, ROWS=1, ROUND_SUM=bool(round_sum),
+                      **consts)
 
 
 def rmsnorm_triton_torch(x, weight, *, eps):
@@ -152,7 +174,7 @@ def add_rmsnorm_triton_torch(x, residual, weight, *, eps, round_sum=False, plan=
         if rows is not None:
             torch_launch(kernels().add_rmsnorm_rows_kernel, (x, residual, weight, float(eps), m),
                          (out, new_residual), (cdiv(m, rows[0]),), num_warps=rows[1],
-                         num_stages=1, ROWS=rows[0], **consts)
+                         num_stages=1, ROWS=rows[0], ROUND_SUM=True, **consts)
         else:
             torch_launch(kernels().add_rmsnorm_kernel, (x, residual, weight, float(eps)),
                          (out, new_residual), (m,), num_warps=warps, num_stages=1,
@@ -165,3 +187,6 @@ if triton_available():
              priority=Priority.TUNED, **INVARIANT)(rmsnorm_triton)
     register("norm", "add_rmsnorm", "triton_fixed_tree", formats=FORMATS, hardware={"gpu"},
              priority=Priority.TUNED, **INVARIANT)(add_rmsnorm_triton)
+    # auto's (above xla_native's TUNED + 1); bf16 only: an f32 row on one warp would spill
+    register("norm", "add_rmsnorm", "triton_rows_auto", formats={"bf16"}, hardware={"gpu"},
+             priority=Priority.TUNED + 2, traits={"batch_invariant": False})(add_rmsnorm_auto)

@@ -279,6 +279,9 @@ for s in "$@"; do
     plan_ab_attention)  # auto's model rows with the Triton attention, then with XLA's (the next leaf)
       step model_auto_default 200 python3 -m jengine.cli bench --parts model --numerics auto --iters 10 --batch-sizes 1 64 --long-context 0 --part-timeout 190 --out "$out/model_auto_default"
       step model_auto_xla_attention 200 python3 scripts/gpu_plan_ab.py --without attention.paged.triton_wide_prefill attention.paged.triton_fixed_split --out "$out/model_auto_xla_attention.json" -- --numerics auto --iters 10 --batch-sizes 1 64 --long-context 0 ;;
+    norm_auto_ab)  # auto's decode rows with its boundary on the one-warp Triton launch (the plan), then on XLA's add + norm
+      step model_auto_norm_triton 200 python3 -m jengine.cli bench --parts model --numerics auto --iters 20 --batch-sizes 1 64 256 --long-context 0 --prefill-tokens 0 --part-timeout 190 --out "$out/model_auto_norm_triton"
+      step model_auto_norm_xla 200 python3 scripts/gpu_plan_ab.py --without norm.add_rmsnorm.triton_rows_auto --out "$out/model_auto_norm_xla.json" -- --numerics auto --iters 20 --batch-sizes 1 64 256 --long-context 0 --prefill-tokens 0 ;;
     plan_ab_xla_attention_only) step model_auto_xla_attention 200 python3 scripts/gpu_plan_ab.py --without attention.paged.triton_wide_prefill attention.paged.triton_fixed_split --out "$out/model_auto_xla_attention.json" -- --numerics auto --iters 10 --batch-sizes 1 64 --long-context 0 ;;
     triton_call_ab)
       JENGINE_TRITON_CALL=legacy step model_triton_legacy 240 python3 -m jengine.cli bench --parts model --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 115 --out "$out/model_triton_legacy"
