@@ -332,25 +332,36 @@ def rope_write_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, page_ptr, slot_ptr, kc_ptr, vc_ptr, num_pages,
     page_size, q_out_ptr, kc_out_ptr, vc_out_ptr,
     HQ: tl.constexpr, HKV: tl.constexpr, HQP: tl.constexpr, HKVP: tl.constexpr,
-    D: tl.constexpr,
+    D: tl.constexpr, QKV: tl.constexpr,
 ):
     """Grid (T,): token t's q and k rotated (q to q_out), its k and v stored at (page[t], slot[t])
     of the pages kc_out / vc_out (the same buffers as kc / vc: the pool is updated in place). A
     page outside [0, num_pages) is a padding row's: its write is dropped, as XLA's scatter drops
     it. Every product is an exact bf16 x bf16 in f32 and every rounding explicit: compiled with fp
-    fusion off, the bits of the three rounded ops of pallas_kernels/rope_write.py."""
+    fusion off, the bits of the three rounded ops of pallas_kernels/rope_write.py.
+    QKV: q_ptr is the q/k/v projections' merged output [T, (HQ + 2 HKV) * D] (k_ptr and v_ptr
+    are not read): the same values from other addresses (triton_rope_write's triton_fused_qkv)."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D)
     c = tl.load(cos_ptr + t * D + d).to(tl.float32)
     s = tl.load(sin_ptr + t * D + d).to(tl.float32)
+    row = t * ((HQ + 2 * HKV) * D)  # QKV's row
     hq = tl.arange(0, HQP)
     ok_q = hq < HQ
-    q = _rotate(q_ptr, t * (HQ * D), hq, ok_q, c, s, d, D)
+    if QKV:
+        q = _rotate(q_ptr, row, hq, ok_q, c, s, d, D)
+    else:
+        q = _rotate(q_ptr, t * (HQ * D), hq, ok_q, c, s, d, D)
     tl.store(q_out_ptr + t * (HQ * D) + hq[:, None] * D + d[None, :], q, mask=ok_q[:, None])
     hk = tl.arange(0, HKVP)
     ok_k = hk < HKV
-    k = _rotate(k_ptr, t * (HKV * D), hk, ok_k, c, s, d, D)
-    v = tl.load(v_ptr + t * (HKV * D) + hk[:, None] * D + d[None, :], mask=ok_k[:, None])
+    if QKV:
+        k = _rotate(q_ptr, row + HQ * D, hk, ok_k, c, s, d, D)
+        v = tl.load(q_ptr + row + (HQ + HKV) * D + hk[:, None] * D + d[None, :],
+                    mask=ok_k[:, None])
+    else:
+        k = _rotate(k_ptr, t * (HKV * D), hk, ok_k, c, s, d, D)
+        v = tl.load(v_ptr + t * (HKV * D) + hk[:, None] * D + d[None, :], mask=ok_k[:, None])
     page = tl.load(page_ptr + t)
     slot = tl.load(slot_ptr + t)
     if (page >= 0) & (page < num_pages):

@@ -10,6 +10,16 @@ under rl-bitwise's XLA flags (no excess precision): tests/test_triton_rope_write
 under Triton's interpreter, the H200 goldens the bits.
 
 head_dim must be a power of two (tl.arange); a model with another head_dim plans the portable leaf.
+
+`--numerics auto` plans `triton_fused_qkv`: the same kernel reading q, k and v from one [T,
+(Hq + 2 Hkv) * D] array, their concatenation. Auto's q/k/v GEMMs are XLA's, whose dot merger makes
+them one dot and then slices its output into three buffers for this launch (three copy kernels a
+layer, 0.141 ms of auto's 5.13 ms bs-1 decode step on the H200, twenty-fourth session's profile);
+concatenating those slices back is the dot's output itself, which XLA's simplifier should see, so
+the launch would read the GEMM's output with no copy. Same arithmetic on the same values, so the
+same bits as triton_fused (tests/test_triton_rope_write.py); rl-bitwise never plans it (its
+grouped GEMM writes three buffers, which the concatenation would copy). Not measured yet on the
+device (gpu_run.sh rope_qkv_ab).
 """
 
 from __future__ import annotations
@@ -55,30 +65,40 @@ def _check(q, k, v, cos, sin, kv):
                          f"be [pages, page_size, {k.shape[1]}, {d}]")
 
 
-def _constexprs(q, k) -> dict:
+def _constexprs(q, k, merged: bool) -> dict:
     hq, hkv = q.shape[1], k.shape[1]
-    return dict(HQ=hq, HKV=hkv, HQP=next_pow2(hq), HKVP=next_pow2(hkv), D=q.shape[2])
+    return dict(HQ=hq, HKV=hkv, HQP=next_pow2(hq), HKVP=next_pow2(hkv), D=q.shape[2], QKV=merged)
 
 
-def rope_write_triton(q, k, v, cos, sin, kv, page, slot):
+def rope_write_triton(q, k, v, cos, sin, kv, page, slot, *, merged=False):
+    """merged: read q, k and v from their concatenation (triton_fused_qkv, module docstring)."""
     _check(q, k, v, cos, sin, kv)
     k_pages, v_pages = kv
     t = q.shape[0]
     if t == 0:
         return q, kv
+    consts = _constexprs(q, k, merged)
+    if merged:  # the kernel reads only the first; the others stand in for k_ptr / v_ptr
+        q = k = v = jnp.concatenate([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], -1)
     inputs = (q, k, v, cos, sin, page.astype(jnp.int32), slot.astype(jnp.int32), k_pages, v_pages,
               k_pages.shape[0], k_pages.shape[1])
-    outs = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+    outs = (jax.ShapeDtypeStruct((t, consts["HQ"], consts["D"]), q.dtype),
             jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
             jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype))
     q, k_pages, v_pages = jax_launch(kernels().rope_write_kernel, inputs, outs, (t,),
                                      num_warps=NUM_WARPS, num_stages=1, enable_fp_fusion=False,
-                                     input_output_aliases={7: 1, 8: 2}, **_constexprs(q, k))
+                                     input_output_aliases={7: 1, 8: 2}, **consts)
     return q, (k_pages, v_pages)
 
 
-def rope_write_triton_torch(q, k, v, cos, sin, kv, page, slot):
-    """The same kernel on torch tensors: returns the rotated q; kv's pages are written in place."""
+def rope_write_triton_qkv(q, k, v, cos, sin, kv, page, slot):
+    """triton_fused_qkv (--numerics auto): rope_write_triton on q/k/v's concatenation."""
+    return rope_write_triton(q, k, v, cos, sin, kv, page, slot, merged=True)
+
+
+def rope_write_triton_torch(q, k, v, cos, sin, kv, page, slot, *, merged=False):
+    """The same kernel on torch tensors: returns the rotated q; kv's pages are written in place.
+    merged: as rope_write_triton's."""
     import torch
 
     _check(q, k, v, cos, sin, kv)
@@ -88,11 +108,14 @@ def rope_write_triton_torch(q, k, v, cos, sin, kv, page, slot):
     out = torch.empty_like(q)
     t = q.shape[0]
     if t:
+        consts = _constexprs(q, k, merged)
+        if merged:
+            q = k = v = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], -1)
         torch_launch(kernels().rope_write_kernel,
                      (q, k, v, cos, sin, page.to(torch.int32), slot.to(torch.int32), k_pages,
                       v_pages, k_pages.shape[0], k_pages.shape[1]),
                      (out, k_pages, v_pages), (t,), num_warps=NUM_WARPS, num_stages=1,
-                     enable_fp_fusion=False, **_constexprs(q, k))
+                     enable_fp_fusion=False, **consts)
     return out, (k_pages, v_pages)
 
 
@@ -100,3 +123,8 @@ if triton_available():
     register("attention", "rope_write", "triton_fused", formats=FORMATS, hardware={"gpu"},
              priority=Priority.TUNED, constraints={"head_dim": head_dim_supported},
              **INVARIANT)(rope_write_triton)
+    # auto's (module docstring): deterministic, the same bits, but without the batch_invariant
+    # feature, so rl-bitwise keeps the launch on three buffers
+    register("attention", "rope_write", "triton_fused_qkv", formats=FORMATS, hardware={"gpu"},
+             priority=Priority.TUNED + 1, constraints={"head_dim": head_dim_supported},
+             traits={"deterministic": True})(rope_write_triton_qkv)

@@ -246,8 +246,10 @@ def attention_kernels():
                     "page_ptr": "*i32", "slot_ptr": "*i32", "kc_ptr": f"*{dtype}",
                     "vc_ptr": f"*{dtype}", "num_pages": "i32", "page_size": "i32",
                     **{p: f"*{dtype}" for p in ("q_out_ptr", "kc_out_ptr", "vc_out_ptr")}}
-            yield (f"rope_write hq={hq} hkv={hkv} D={d} {dtype}", K.rope_write_kernel, rope,
-                   dict(HQ=hq, HKV=hkv, HQP=hq, HKVP=hkv, D=d), (4, 1, False))
+            for qkv in (False, True) if (hq, dtype) == (32, "bf16") else (False,):
+                yield (f"rope_write hq={hq} hkv={hkv} D={d} {dtype}" + (" qkv" if qkv else ""),
+                       K.rope_write_kernel, rope,
+                       dict(HQ=hq, HKV=hkv, HQP=hq, HKVP=hkv, D=d, QKV=qkv), (4, 1, False))
 
 
 def mla_attention_kernels():

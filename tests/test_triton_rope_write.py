@@ -45,12 +45,12 @@ def case():
     return q, k, v, cos, sin, page, slot, pool
 
 
-def _run(case):
+def _run(case, merged=False):
     q, k, v, cos, sin, page, slot, pool = case
     kp, vp = (torch.from_numpy(pool[i].copy()) for i in range(2))
     out, (kp, vp) = trw.rope_write_triton_torch(
         *(torch.from_numpy(a) for a in (q, k, v, cos, sin)), (kp, vp),
-        torch.from_numpy(page), torch.from_numpy(slot))
+        torch.from_numpy(page), torch.from_numpy(slot), merged=merged)
     return out.numpy(), kp.numpy(), vp.numpy()
 
 
@@ -83,3 +83,33 @@ def test_head_dim_that_is_not_a_power_of_two_is_refused():
     with pytest.raises(ValueError, match="head_dim=24"):
         trw.rope_write_triton_torch(q, k, v, cs, cs, (pages, pages.clone()), torch.zeros(1),
                                     torch.zeros(1))
+
+
+def test_the_merged_read_gives_the_three_buffers_results(case):
+    """triton_fused_qkv (auto) reads q, k and v from their concatenation: every output the same
+    bits as the launch on three buffers. Control: k and v swapped in the concatenation land other
+    values in the pages, so the offsets are checked."""
+    separate = _run(case)
+    for got, want in zip(_run(case, merged=True), separate):
+        assert count_bit_differences(got, want) == 0
+    q, k, v, *rest = case
+    swapped = _run((q, v, k, *rest), merged=True)
+    assert count_bit_differences(swapped[1], separate[1]) > 0
+
+
+@pytest.fixture
+def registered(monkeypatch):
+    yield from triton_interpreter.registered_as_on_a_gpu(
+        monkeypatch, trw, [("attention", "rope_write", "triton_fused"),
+                           ("attention", "rope_write", "triton_fused_qkv")])
+
+
+def test_auto_plans_the_merged_read_and_rl_bitwise_never_does(registered):
+    from pallas_kernels.registry import REGISTRY
+
+    def plan(features):
+        return REGISTRY.plan("attention", "rope_write", formats={"bf16"}, hardware="gpu",
+                             geometry={"head_dim": 128}, features=features).leaf.impl
+
+    assert plan(frozenset()) == "triton_fused_qkv"  # --numerics auto
+    assert plan(frozenset({"batch_invariant"})) == "triton_fused"  # rl-bitwise
