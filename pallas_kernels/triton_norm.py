@@ -74,9 +74,23 @@ def rmsnorm_triton(x, weight, *, eps):
 ROWS_PLAN: tuple[tuple[int, int, int], ...] = ((1, 1, 1),)
 
 
+# The most elements of a row one warp holds (128 a thread): one warp at hidden 4096 takes 255
+# registers without spilling (sm_90 ptxas, either sum); at hidden 5120 and 8192 (blocks of 8192)
+# it spills 40 B and 6.8 KB a thread, two warps there spill nothing.
+WARP_ROW_ELEMENTS = 4096
+
+
+def rows_warps(block: int, warps: int) -> int:
+    """A rows launch's warps: the plan's, or more where one warp would hold more of a row than
+    WARP_ROW_ELEMENTS. The rounded sum's bits do not depend on the warps (add_rmsnorm_rows_kernel;
+    0 outputs differ between every plan measured)."""
+    return max(warps, block // WARP_ROW_ELEMENTS)
+
+
 def rows_plan(m: int, round_sum: bool, plan=None) -> tuple[int, int] | None:
     """(rows per program, warps) of add_rmsnorm_rows_kernel for m rows, or None for the one-row
-    kernel. Only the rounded sum (round_sum) may take it: see add_rmsnorm_rows_kernel."""
+    kernel. Only the rounded sum (round_sum) may take it: see add_rmsnorm_rows_kernel. The warps
+    are the plan's before rows_warps."""
     if not round_sum:
         return None
     return next(((rows, warps) for min_m, rows, warps in (ROWS_PLAN if plan is None else plan)
@@ -93,7 +107,8 @@ def add_rmsnorm_triton(x, residual, weight, *, eps, round_sum=False):
     if rows is not None:
         return jax_launch(kernels().add_rmsnorm_rows_kernel,
                           (x, residual, weight, np.float32(eps), m), outs, (cdiv(m, rows[0]),),
-                          num_warps=rows[1], num_stages=1, ROWS=rows[0], ROUND_SUM=True, **consts)
+                          num_warps=rows_warps(consts["BLOCK"], rows[1]), num_stages=1,
+                          ROWS=rows[0], ROUND_SUM=True, **consts)
     normed, new_residual = jax_launch(kernels().add_rmsnorm_kernel,
                                       (x, residual, weight, np.float32(eps)), outs, (m,),
                                       num_warps=warps, num_stages=1, ROUND_SUM=bool(round_sum),
@@ -119,7 +134,8 @@ def add_rmsnorm_auto(x, residual, weight, *, eps, round_sum=False):
     consts, _ = _launch_params(h)
     outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype))
     return jax_launch(kernels().add_rmsnorm_rows_kernel, (x, residual, weight, np.float32(eps), m),
-                      outs, (m,), num_warps=1, num_stages=1, ROWS=1, ROUND_SUM=bool(round_sum),
+                      outs, (m,), num_warps=rows_warps(consts["BLOCK"], 1), num_stages=1, ROWS=1,
+                      ROUND_SUM=bool(round_sum),
                       **consts)
 
 
@@ -173,7 +189,8 @@ def add_rmsnorm_triton_torch(x, residual, weight, *, eps, round_sum=False, plan=
         rows = rows_plan(m, round_sum, plan)
         if rows is not None:
             torch_launch(kernels().add_rmsnorm_rows_kernel, (x, residual, weight, float(eps), m),
-                         (out, new_residual), (cdiv(m, rows[0]),), num_warps=rows[1],
+                         (out, new_residual), (cdiv(m, rows[0]),),
+                         num_warps=rows_warps(consts["BLOCK"], rows[1]),
                          num_stages=1, ROWS=rows[0], ROUND_SUM=True, **consts)
         else:
             torch_launch(kernels().add_rmsnorm_kernel, (x, residual, weight, float(eps)),

@@ -126,3 +126,13 @@ def test_auto_plans_its_boundary_launch_in_bf16_and_rl_bitwise_never_does(regist
     assert plan(frozenset({"batch_invariant"})) == "triton_fixed_tree"  # rl-bitwise
     leaf = next(x for x in REGISTRY.leaves("norm", "add_rmsnorm") if x.impl == "triton_rows_auto")
     assert leaf.traits == {"batch_invariant": False}
+
+
+def test_a_rows_launch_takes_more_warps_only_where_one_would_spill():
+    """One warp holds a hidden-4096 row (Llama-3-8B) without spilling; wider rows (Qwen 14B's
+    5120, Llama-70B's 8192: blocks of 8192) take a warp per 4096 elements (sm_90 ptxas: 6.8 KB
+    of spill a thread at 8192 on one warp, none on two). A plan's larger count stands."""
+    block = lambda h: triton_norm._launch_params(h)[0]["BLOCK"]  # noqa: E731
+    assert [triton_norm.rows_warps(block(h), 1) for h in (96, 4096, 5120, 8192, 16384)] == \
+        [1, 1, 2, 2, 4]
+    assert triton_norm.rows_warps(block(8192), 4) == 4
