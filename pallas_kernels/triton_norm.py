@@ -28,6 +28,7 @@ from pallas_kernels._triton_launch import (INVARIANT, cdiv, contiguous, dtype_na
                                            triton_available)
 from pallas_kernels.fixed_order import next_pow2
 from pallas_kernels.registry import Priority, register
+from pallas_kernels.rmsnorm import add_rmsnorm_xla_native
 
 FORMATS = {"bf16", "f32"}
 
@@ -97,18 +98,25 @@ def rows_plan(m: int, round_sum: bool, plan=None) -> tuple[int, int] | None:
                  if m >= min_m), None)
 
 
+def _rows_launch(x, residual, weight, eps, rows: tuple[int, int], round_sum: bool):
+    """add_rmsnorm_rows_kernel from JAX: rows = (rows per program, the plan's warps)."""
+    m = x.shape[0]
+    consts, _ = _launch_params(x.shape[1])
+    outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype))
+    return jax_launch(kernels().add_rmsnorm_rows_kernel, (x, residual, weight, np.float32(eps), m),
+                      outs, (cdiv(m, rows[0]),), num_warps=rows_warps(consts["BLOCK"], rows[1]),
+                      num_stages=1, ROWS=rows[0], ROUND_SUM=round_sum, **consts)
+
+
 def add_rmsnorm_triton(x, residual, weight, *, eps, round_sum=False):
     m, h = _check("add_rmsnorm", x, weight, residual)
     if m == 0:
         return x, residual
-    consts, warps = _launch_params(h)
-    outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype))
     rows = rows_plan(m, round_sum)
     if rows is not None:
-        return jax_launch(kernels().add_rmsnorm_rows_kernel,
-                          (x, residual, weight, np.float32(eps), m), outs, (cdiv(m, rows[0]),),
-                          num_warps=rows_warps(consts["BLOCK"], rows[1]), num_stages=1,
-                          ROWS=rows[0], ROUND_SUM=True, **consts)
+        return _rows_launch(x, residual, weight, eps, rows, True)
+    consts, warps = _launch_params(h)
+    outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype))
     normed, new_residual = jax_launch(kernels().add_rmsnorm_kernel,
                                       (x, residual, weight, np.float32(eps)), outs, (m,),
                                       num_warps=warps, num_stages=1, ROUND_SUM=bool(round_sum),
@@ -126,17 +134,10 @@ AUTO_MAX_M = 256
 
 
 def add_rmsnorm_auto(x, residual, weight, *, eps, round_sum=False):
-    m, h = _check("add_rmsnorm", x, weight, residual)
+    m, _ = _check("add_rmsnorm", x, weight, residual)
     if m == 0 or m > AUTO_MAX_M:
-        from pallas_kernels.rmsnorm import add_rmsnorm_xla_native
-
         return add_rmsnorm_xla_native(x, residual, weight, eps=eps, round_sum=round_sum)
-    consts, _ = _launch_params(h)
-    outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype))
-    return jax_launch(kernels().add_rmsnorm_rows_kernel, (x, residual, weight, np.float32(eps), m),
-                      outs, (m,), num_warps=rows_warps(consts["BLOCK"], 1), num_stages=1, ROWS=1,
-                      ROUND_SUM=bool(round_sum),
-                      **consts)
+    return _rows_launch(x, residual, weight, eps, (1, 1), bool(round_sum))
 
 
 def rmsnorm_triton_torch(x, weight, *, eps):

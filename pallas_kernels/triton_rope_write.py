@@ -19,7 +19,7 @@ concatenating those slices back is the dot's output itself, which XLA's simplifi
 the launch would read the GEMM's output with no copy. Same arithmetic on the same values, so the
 same bits as triton_fused (tests/test_triton_rope_write.py); rl-bitwise never plans it (its
 grouped GEMM writes three buffers, which the concatenation would copy). Not measured yet on the
-device (gpu_run.sh rope_qkv_ab).
+device (gpu_run.sh auto_leaves_ab).
 """
 
 from __future__ import annotations
