@@ -4,8 +4,8 @@ hosts.
 How each launch is planned (its tile, schedule, row sum, page ids, launch options) is
 pallas_kernels/triton_attention_plan.py; the algorithm and why its bits cannot depend on the batch
 are in pallas_kernels/_triton_attention_kernels.py: fixed splits of SPLIT positions from position
-0, each an online softmax over KV tiles of BLOCK_N positions, merged in split order; a program
-holds a tile of TPP consecutive tokens of one request x the query heads of one KV head.
+0, each an online softmax over KV tiles (DEFAULT_KV_TILE positions in bf16, BLOCK_N in f32),
+merged in split order; a program holds a tile of TPP consecutive tokens of one request x the query heads of one KV head.
 
 Two schedules give the same bits: `serial` (one program walks every split of its tile) and `split`
 (one program per split; the last of a tile's programs to finish merges them, in the same launch).
@@ -42,9 +42,10 @@ session**: on the H200 every (ROWS, warps) launch gives 0 differing rows, the tr
 MATCHes with the twin on the wide tile, the production harness passes, and rl-bitwise's 4096-token
 prefill takes the wide tile (172.6 -> 147.9 ms) for decode +0-3 % (docs/performance.md).
 `JENGINE_ATTENTION_ROWSUM=triton` gives back Triton's own sum (the older definition).
-`JENGINE_ATTENTION_KV_TILE=64` is another definition: every bf16 launch, engine and twin, on
-64-position KV tiles (triton_attention_plan; H100: rl-bitwise's prefill 1.12x -> 1.10x auto's,
-decode unchanged; not the default until the device aligns it and records its goldens).
+Every bf16 launch, engine and twin, reads 64-position KV tiles: the definition since the
+twenty-eighth session (triton_attention_plan's DEFAULT_KV_TILE; H100: rl-bitwise's prefill 1.12x ->
+1.10x auto's, decode unchanged; on the H200 the trainer alignment MATCHes and the production
+harness passes on it). `JENGINE_ATTENTION_KV_TILE=32` gives back the older definition.
 
 Where the K/V rows come from is not part of the algorithm: with the page ids per split (the
 default, planned per launch by `paged`: JENGINE_ATTENTION_PAGES below) a split's page ids are

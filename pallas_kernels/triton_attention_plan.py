@@ -16,7 +16,8 @@ import os
 from pallas_kernels._triton_launch import dtype_name
 from pallas_kernels.fixed_order import next_pow2
 
-BLOCK_N = 32  # KV positions per tile (one tl.dot each for q.k and p.v): the definition's default
+BLOCK_N = 32  # KV positions per tile (one tl.dot each for q.k and p.v) of f32 launches; bf16's
+# default is DEFAULT_KV_TILE (below)
 SPLIT = 256  # positions per split; a multiple of every KV tile
 MIN_ROWS = 16  # tl.dot needs >= 16 rows: GQA groups smaller than 16 are packed with more tokens
 SPLIT_MAX_ROWS = 32  # steps of at most this many token rows use the split schedule (H200: split
@@ -29,18 +30,21 @@ NUM_WARPS, NUM_STAGES = 4, 2
 # (H200: attention_rows_tree / _dot, accept_llama_tree / _dot), so under them rl-bitwise's
 # prefill steps take the wide tile too (gpu_run.sh rowsum_ab_<form>). The docstring says why dot.
 ROWSUM_ENV = "JENGINE_ATTENTION_ROWSUM"
-# JENGINE_ATTENTION_KV_TILE=32 (the default, BLOCK_N) / 64 -- KV positions per tile of every bf16
-# launch, the engine's and the twin's: a numerics definition each (the online softmax steps a
-# tile at a time). Measured in the model (H100, twenty-sixth session, kvtile_ab_rl / _auto):
-# rl-bitwise's 4096-token prefill 142.4 -> 139.7 ms on 64, 1.12x -> 1.10x auto's (auto's prefill
-# attention reads 64 already); decode within the runs' spread (rl-bitwise bs 1 / 64 / 256 7.05 /
-# 10.37 / 22.61 -> 7.03 / 10.39 / 22.71 ms pipelined). Not the default yet: adopting it needs the
-# trainer alignment, the production harness and new goldens on the device (accept_llama_kv64,
-# harness_prod_llama_kv64, goldens_record_kv64; no machine could be started for them). The
-# decode launches on 64 take more registers (sm_90 ptxas: narrow serial 168 unbounded, split 152
-# vs 104-128 on 32). f32 keeps BLOCK_N: its launch would spill 23 KB per thread at 64.
+# JENGINE_ATTENTION_KV_TILE=64 (the default, DEFAULT_KV_TILE) / 32 (BLOCK_N, the definition until
+# the twenty-eighth session) -- KV positions per tile of every bf16 launch, the engine's and the
+# twin's: a numerics definition each (the online softmax steps a tile at a time). Measured in the
+# model (H100, twenty-sixth session, kvtile_ab_rl / _auto): rl-bitwise's 4096-token prefill
+# 142.4 -> 139.7 ms on 64, 1.12x -> 1.10x auto's (auto's prefill attention reads 64 already);
+# decode within the runs' spread (rl-bitwise bs 1 / 64 / 256 7.05 / 10.37 / 22.61 -> 7.03 / 10.39
+# / 22.71 ms pipelined). Adopted after the H200 (twenty-eighth session) aligned it with the
+# trainer at production widths (accept_llama_kv64: MATCH on every variant, stock torch
+# MISMATCH), passed the production harness on it (harness_prod_llama_kv64) and recorded its
+# goldens (tests/goldens/h200.json; the 32-position goldens are h200_kv32.json). The decode
+# launches on 64 take more registers (sm_90 ptxas: narrow serial 168 unbounded, split 152 vs
+# 104-128 on 32). f32 keeps BLOCK_N: its launch would spill 23 KB per thread at 64.
 KV_TILE_ENV = "JENGINE_ATTENTION_KV_TILE"
-KV_TILES = (BLOCK_N, 64)
+DEFAULT_KV_TILE = 64
+KV_TILES = (BLOCK_N, DEFAULT_KV_TILE)
 # JENGINE_ATTENTION_PAGES -- where a launch's K/V page ids come from; never the bits (only the
 # addresses' source changes: tests/test_triton_attention.py under the interpreter, goldens_check
 # and goldens_check_pages on the GPU). "tile": each tile's page ids loaded inside the tile loop
@@ -111,12 +115,12 @@ def rowsum_form() -> int:
 
 
 def kv_tile(ieee: bool) -> int:
-    """The KV tile JENGINE_ATTENTION_KV_TILE asks for (unset or "": BLOCK_N); f32 (ieee) launches
-    keep BLOCK_N. Another value is an error naming the variable and the value."""
-    value = os.environ.get(KV_TILE_ENV) or str(BLOCK_N)
+    """The KV tile JENGINE_ATTENTION_KV_TILE asks for (unset or "": DEFAULT_KV_TILE); f32 (ieee)
+    launches keep BLOCK_N. Another value is an error naming the variable and the value."""
+    value = os.environ.get(KV_TILE_ENV) or str(DEFAULT_KV_TILE)
     if value not in {str(n) for n in KV_TILES}:
         raise ValueError(f"{KV_TILE_ENV}={value!r}: expected one of {[str(n) for n in KV_TILES]} "
-                         f"(the default: '{BLOCK_N}')")
+                         f"(the default: '{DEFAULT_KV_TILE}')")
     return BLOCK_N if ieee else int(value)
 
 

@@ -174,8 +174,7 @@ NOT_IN_THE_REPO = {"seqs.jsonl", "dump.pt", "dump_stock.pt", "prompts.jsonl", "c
                    "acceptance.md", "acceptance.json", "summary.md", "gpu_validation.md",
                    "gpu_validation.json", "in.jsonl", "bench.json", "bench.md",
                    "h200_dot.json",  # gpu_run.sh goldens_record_dot
-                   "h200_kv64.json",  # goldens_record_kv64
-                   "h200_kv32.json"}  # the 32-position goldens once 64 is the default
+                   "h200_kv64.json"}  # goldens_record_kv64
 
 
 def test_docs_reference_only_files_in_the_repository():

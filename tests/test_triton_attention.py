@@ -388,17 +388,17 @@ def test_the_rowsum_switch_plans_the_form_and_the_wide_prefill_tile(monkeypatch)
     assert tap.plan(q, pool, None, False)[1]["ROWSUM"] == tap.ROWSUM_FORMS["dot"] == 2
     monkeypatch.setenv(tap.ROWSUM_ENV, "triton")
     schedule, c, _ = tap.plan(q, pool, None, False)
-    assert (schedule, c["ROWSUM"], c["TPP"] * c["GP"], c["BLOCK_N"]) == ("serial", 0, tap.MIN_ROWS,
-                                                                        tap.BLOCK_N)
+    assert (schedule, c["ROWSUM"], c["TPP"] * c["GP"], c["BLOCK_N"]) == (
+        "serial", 0, tap.MIN_ROWS, tap.DEFAULT_KV_TILE)
     auto = tap.plan(q, pool, None, True)[1]  # auto's leaf: its own rows and KV tile
     assert (auto["TPP"] * auto["GP"], auto["BLOCK_N"]) == (tap.WIDE_ROWS, tap.WIDE_BLOCK_N)
     auto = tap.plan(q[:1], pool, None, True)[1]  # ... on prefill-sized steps only
-    assert (auto["TPP"] * auto["GP"], auto["BLOCK_N"]) == (tap.MIN_ROWS, tap.BLOCK_N)
+    assert (auto["TPP"] * auto["GP"], auto["BLOCK_N"]) == (tap.MIN_ROWS, tap.DEFAULT_KV_TILE)
     for form, code in (("tree", 1), ("dot", 2)):
         monkeypatch.setenv(tap.ROWSUM_ENV, form)
         schedule, c, _ = tap.plan(q, pool, None, False)  # wide rows, the definition's KV tile
         assert (schedule, c["ROWSUM"], c["TPP"] * c["GP"], c["BLOCK_N"]) == (
-            "serial", code, tap.WIDE_ROWS, tap.BLOCK_N)
+            "serial", code, tap.WIDE_ROWS, tap.DEFAULT_KV_TILE)
         assert tap.plan(q, pool, None, True)[1]["BLOCK_N"] == tap.WIDE_BLOCK_N
         schedule, c, _ = tap.plan(q[:1], pool, None, False)
         assert (schedule, c["ROWSUM"], c["TPP"] * c["GP"]) == ("split", code, tap.MIN_ROWS)
@@ -420,7 +420,7 @@ def test_with_a_layout_free_row_sum_it_is_still_attention_and_one_algorithm(setu
         np.testing.assert_allclose(serial[i], _reference(q[r][p], *seqs[r], p), atol=1e-5, rtol=0)
 
 
-# -- the KV tile (JENGINE_ATTENTION_KV_TILE, an experiment: 64 positions is another definition) --
+# -- the KV tile (JENGINE_ATTENTION_KV_TILE: 64 positions, the default, or 32, another definition) --
 
 
 def _planned(rows, auto=False, dtype=torch.bfloat16):
@@ -433,10 +433,11 @@ def _planned(rows, auto=False, dtype=torch.bfloat16):
 
 
 def test_the_kv_tile_switch_plans_every_bf16_launch_and_is_refused_by_name(monkeypatch):
-    """JENGINE_ATTENTION_KV_TILE: unset, BLOCK_N (32) in every launch; "64", every bf16 launch of
-    both leaves -- split, narrow serial, rl-bitwise's and auto's wide tile -- on 64-position KV
-    tiles and NUM_STAGES stages (what auto's wide tile measured best on them), while f32 keeps
-    BLOCK_N. Another value is refused, naming the variable and the value."""
+    """JENGINE_ATTENTION_KV_TILE: unset (DEFAULT_KV_TILE) or "64", every bf16 launch of both
+    leaves -- split, narrow serial, rl-bitwise's and auto's wide tile -- on 64-position KV tiles
+    and NUM_STAGES stages (what auto's wide tile measured best on them), while f32 keeps BLOCK_N;
+    "32", BLOCK_N in every launch but auto's wide tile (the definition before the twenty-eighth
+    session). Another value is refused, naming the variable and the value."""
     monkeypatch.setattr(tap, "WIDE_MIN_TOKENS", 40)
     monkeypatch.delenv(tap.PAGES_ENV, raising=False)
 
@@ -445,23 +446,30 @@ def test_the_kv_tile_switch_plans_every_bf16_launch_and_is_refused_by_name(monke
         return planned[2], planned[4]
 
     steps = ((4, False), (33, False), (64, False), (64, True))  # split, narrow, wide x 2
-    monkeypatch.delenv(tap.KV_TILE_ENV, raising=False)
+    assert tap.DEFAULT_KV_TILE == 64
+    for value in (None, "64"):
+        if value is None:
+            monkeypatch.delenv(tap.KV_TILE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(tap.KV_TILE_ENV, value)
+        assert [plan(*step) for step in steps] == [(64, tap.NUM_STAGES)] * 4
+        assert [plan(*step, dtype=torch.float32)[0] for step in steps] == [tap.BLOCK_N] * 4
+    monkeypatch.setenv(tap.KV_TILE_ENV, "32")
     assert [plan(*step)[0] for step in steps] == [32, 32, 32, tap.WIDE_BLOCK_N]
-    monkeypatch.setenv(tap.KV_TILE_ENV, "64")
-    assert [plan(*step) for step in steps] == [(64, tap.NUM_STAGES)] * 4
-    assert [plan(*step, dtype=torch.float32)[0] for step in steps] == [tap.BLOCK_N] * 4
     monkeypatch.setenv(tap.KV_TILE_ENV, "128")
     with pytest.raises(ValueError, match="JENGINE_ATTENTION_KV_TILE='128'"):
         plan(4)
 
 
 def test_on_64_position_kv_tiles_it_is_still_attention_and_one_algorithm(setup, monkeypatch):
-    """Under JENGINE_ATTENTION_KV_TILE=64 the leaf keeps its contract in bf16: every row within
+    """On 64-position KV tiles (the default since the twenty-eighth session) the leaf keeps its
+    contract in bf16: every row within
     3e-2 of float64 attention over the same bf16 inputs (the bf16 p and the output's rounding; the
     wide-tile test above says why that bound), the serial and split schedules bit-identical across
     a split boundary, a request's rows the same whatever its chunks and neighbours, and the
     dense-causal twin equal to the paged form -- and the bits are not the 32-position tile's
-    (another definition: the control that the switch reaches the kernel)."""
+    (JENGINE_ATTENTION_KV_TILE=32 is another definition: the control that the switch reaches the
+    kernel)."""
     b = _bf16(setup)
     monkeypatch.setenv(tap.KV_TILE_ENV, "64")
     rows = [(0, 44), (2, 3)] + [(1, p) for p in range(236, 290, 3)]
@@ -479,7 +487,7 @@ def test_on_64_position_kv_tiles_it_is_still_attention_and_one_algorithm(setup, 
         *(torch.from_numpy(a[None]).to(torch.bfloat16) for a in (q[1], *seqs[1])),
         scale=SCALE).float().numpy()[0]
     assert count_bit_differences(dense, _bf16_step(b, [(1, p) for p in range(lengths[1])])) == 0
-    monkeypatch.delenv(tap.KV_TILE_ENV)
+    monkeypatch.setenv(tap.KV_TILE_ENV, "32")
     assert count_bit_differences(serial, _bf16_step(b, rows, "serial")) > 0
 
 
@@ -499,10 +507,12 @@ def test_pages_per_split_covers_every_page_a_split_spans():
 
 
 def test_the_pages_switch_plans_each_launch_and_is_refused_by_name(monkeypatch):
-    """JENGINE_ATTENTION_PAGES: unset ("planned", the default) the split schedule and
-    rl-bitwise's wide tile take the page ids per split as they are, the narrow serial launch under
-    a register bound, auto's wide tile (its own KV tile) on fewer stages; "tile" none of them,
-    "split" every launch as it is. Another value is refused, naming the variable and the value."""
+    """JENGINE_ATTENTION_PAGES: unset ("planned", the default) every launch takes the page ids per
+    split on NUM_STAGES stages (what auto's wide tile measured best on 64-position KV tiles, which
+    every bf16 launch reads by default), the narrow serial launch under a register bound; on
+    32-position KV tiles the split schedule and rl-bitwise's wide tile keep PAGES_STAGES; "tile"
+    none of them, "split" every launch as it is. Another value is refused, naming the variable and
+    the value."""
     pages = tap.pages_per_split(PAGE)
     monkeypatch.setattr(tap, "WIDE_MIN_TOKENS", 40)
 
@@ -510,11 +520,20 @@ def test_the_pages_switch_plans_each_launch_and_is_refused_by_name(monkeypatch):
     narrow, wide = geo["TPP"], tap.WIDE_ROWS // geo["GP"]
     steps = ((4, False), (33, False), (64, False), (64, True))  # split, narrow serial, wide x 2
     monkeypatch.delenv(tap.PAGES_ENV, raising=False)
+    monkeypatch.delenv(tap.KV_TILE_ENV, raising=False)
+    kv = tap.DEFAULT_KV_TILE
+    assert [_planned(*step) for step in steps] == [
+        ("split", narrow, kv, pages, tap.NUM_STAGES, None),
+        ("serial", narrow, kv, pages, tap.NUM_STAGES, tap.PAGES_MAXNREG),
+        ("serial", wide, kv, pages, tap.NUM_STAGES, None),
+        ("serial", wide, tap.WIDE_BLOCK_N, pages, tap.NUM_STAGES, None)]
+    monkeypatch.setenv(tap.KV_TILE_ENV, "32")
     assert [_planned(*step) for step in steps] == [
         ("split", narrow, tap.BLOCK_N, pages, tap.PAGES_STAGES, None),
         ("serial", narrow, tap.BLOCK_N, pages, tap.PAGES_STAGES, tap.PAGES_MAXNREG),
         ("serial", wide, tap.BLOCK_N, pages, tap.PAGES_STAGES, None),
         ("serial", wide, tap.WIDE_BLOCK_N, pages, tap.NUM_STAGES, None)]
+    monkeypatch.delenv(tap.KV_TILE_ENV)
     monkeypatch.setenv(tap.PAGES_ENV, "tile")
     assert [_planned(*step)[3:] for step in steps] == [(0, tap.NUM_STAGES, None)] * 4
     monkeypatch.setenv(tap.PAGES_ENV, "split")
