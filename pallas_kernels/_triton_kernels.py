@@ -195,14 +195,12 @@ def halving_tree_sum_rows(v, ROWS: tl.constexpr, WIDTH: tl.constexpr, LOG2: tl.c
 @triton.jit
 def add_rmsnorm_rows_kernel(x_ptr, res_ptr, w_ptr, eps, M, out_ptr, new_res_ptr,
                             H: tl.constexpr, BLOCK: tl.constexpr, LOG2: tl.constexpr,
-                            ROWS: tl.constexpr, ROUND_SUM: tl.constexpr):
+                            ROWS: tl.constexpr):
     """The unfused layer boundary (add_rmsnorm_row with ROUND_SUM) on ROWS rows per program: at
     prefill M one row per program ran at ~1.1 TB/s on the H200 (rl-bitwise's 4096-token prefill:
-    64 launches, 7.3 ms). Batch-invariant only for the rounded sum: its square is exact in f32 (a
-    bf16 value's), so whether the compiler contracts a square into the tree's first add (an FMA,
-    which it does by layout) cannot reach the bits; the f32 sum of the fused boundary has no such
-    guarantee, so without ROUND_SUM this is auto's launch (triton_norm.add_rmsnorm_auto), which
-    promises no bits."""
+    64 launches, 7.3 ms). Only for the rounded sum: its square is exact in f32 (a bf16 value's),
+    so whether the compiler contracts a square into the tree's first add (an FMA, which it does
+    by layout) cannot reach the bits; the f32 sum of the fused boundary has no such guarantee."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs = tl.arange(0, BLOCK)
     ok = (rows < M)[:, None] & (offs < H)[None, :]
@@ -210,12 +208,8 @@ def add_rmsnorm_rows_kernel(x_ptr, res_ptr, w_ptr, eps, M, out_ptr, new_res_ptr,
     x = tl.load(x_ptr + at, mask=ok, other=0.0)
     r = tl.load(res_ptr + at, mask=ok, other=0.0)
     out_ty: tl.constexpr = x_ptr.dtype.element_ty
-    if ROUND_SUM:
-        total = (x.to(tl.float32) + r.to(tl.float32)).to(out_ty)
-        tf = total.to(tl.float32)
-    else:
-        tf = x.to(tl.float32) + r.to(tl.float32)
-        total = tf.to(out_ty)
+    total = (x.to(tl.float32) + r.to(tl.float32)).to(out_ty)
+    tf = total.to(tl.float32)
     sq = tl.where(ok, tf * tf, 0.0)
     var = tl.math.div_rn(halving_tree_sum_rows(sq, ROWS, BLOCK, LOG2), H * 1.0)
     y = _normed_times_weight(tf, var[:, None], eps, w_ptr, offs[None, :], (offs < H)[None, :],

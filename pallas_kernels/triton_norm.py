@@ -28,7 +28,6 @@ from pallas_kernels._triton_launch import (INVARIANT, cdiv, contiguous, dtype_na
                                            triton_available)
 from pallas_kernels.fixed_order import next_pow2
 from pallas_kernels.registry import Priority, register
-from pallas_kernels.rmsnorm import add_rmsnorm_xla_native
 
 FORMATS = {"bf16", "f32"}
 
@@ -98,14 +97,14 @@ def rows_plan(m: int, round_sum: bool, plan=None) -> tuple[int, int] | None:
                  if m >= min_m), None)
 
 
-def _rows_launch(x, residual, weight, eps, rows: tuple[int, int], round_sum: bool):
+def _rows_launch(x, residual, weight, eps, rows: tuple[int, int]):
     """add_rmsnorm_rows_kernel from JAX: rows = (rows per program, the plan's warps)."""
     m = x.shape[0]
     consts, _ = _launch_params(x.shape[1])
     outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype))
     return jax_launch(kernels().add_rmsnorm_rows_kernel, (x, residual, weight, np.float32(eps), m),
                       outs, (cdiv(m, rows[0]),), num_warps=rows_warps(consts["BLOCK"], rows[1]),
-                      num_stages=1, ROWS=rows[0], ROUND_SUM=round_sum, **consts)
+                      num_stages=1, ROWS=rows[0], **consts)
 
 
 def add_rmsnorm_triton(x, residual, weight, *, eps, round_sum=False):
@@ -114,7 +113,7 @@ def add_rmsnorm_triton(x, residual, weight, *, eps, round_sum=False):
         return x, residual
     rows = rows_plan(m, round_sum)
     if rows is not None:
-        return _rows_launch(x, residual, weight, eps, rows, True)
+        return _rows_launch(x, residual, weight, eps, rows)
     consts, warps = _launch_params(h)
     outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype))
     normed, new_residual = jax_launch(kernels().add_rmsnorm_kernel,
@@ -124,20 +123,12 @@ def add_rmsnorm_triton(x, residual, weight, *, eps, round_sum=False):
     return normed, new_residual
 
 
-# auto's layer boundary (no bit contract: the fused f32 sum feeds the norm) on the rows launch's
-# one-row, one-warp form up to AUTO_MAX_M rows, XLA's two fusions above. At decode rows XLA runs an
-# add and a norm kernel per boundary (H200, twenty-fourth session, bs 1: 1.9 + 1.8 us, 63 of each
-# per step) where this launch took 2.1 (rl-bitwise's rounded sum, twenty-sixth session, H100);
-# at prefill M the one-warp launch reaches ~2.8 TB/s (48.3 us at 4096 rows), which XLA's pair
-# may beat, so it keeps them there until a device run says otherwise.
-AUTO_MAX_M = 256
-
-
-def add_rmsnorm_auto(x, residual, weight, *, eps, round_sum=False):
-    m, _ = _check("add_rmsnorm", x, weight, residual)
-    if m == 0 or m > AUTO_MAX_M:
-        return add_rmsnorm_xla_native(x, residual, weight, eps=eps, round_sum=round_sum)
-    return _rows_launch(x, residual, weight, eps, (1, 1), bool(round_sum))
+# auto keeps XLA's add + norm at every M. A one-row, one-warp launch of add_rmsnorm_rows_kernel on
+# the f32 sum (triton_rows_auto, twenty-seventh session) measured slower in auto's model on the
+# H200 (twenty-eighth session, auto_leaves_ab, pipelined ms with / without it: bs 1 5.43 / 5.22,
+# bs 64 8.15 / 8.03, bs 256 17.38 / 17.56; blocked on at bs 1 6.46 / 6.00), so it was removed.
+# Not profiled; a likely cause is the host: 63 more custom calls per step, and auto's host
+# dispatch at bs 1 (4.40 / 3.98 ms in the two runs with it, 3.14 without) is most of its step.
 
 
 def rmsnorm_triton_torch(x, weight, *, eps):
@@ -192,7 +183,7 @@ def add_rmsnorm_triton_torch(x, residual, weight, *, eps, round_sum=False, plan=
             torch_launch(kernels().add_rmsnorm_rows_kernel, (x, residual, weight, float(eps), m),
                          (out, new_residual), (cdiv(m, rows[0]),),
                          num_warps=rows_warps(consts["BLOCK"], rows[1]),
-                         num_stages=1, ROWS=rows[0], ROUND_SUM=True, **consts)
+                         num_stages=1, ROWS=rows[0], **consts)
         else:
             torch_launch(kernels().add_rmsnorm_kernel, (x, residual, weight, float(eps)),
                          (out, new_residual), (m,), num_warps=warps, num_stages=1,
@@ -205,6 +196,3 @@ if triton_available():
              priority=Priority.TUNED, **INVARIANT)(rmsnorm_triton)
     register("norm", "add_rmsnorm", "triton_fixed_tree", formats=FORMATS, hardware={"gpu"},
              priority=Priority.TUNED, **INVARIANT)(add_rmsnorm_triton)
-    # auto's (above xla_native's TUNED + 1); bf16 only: an f32 row on one warp would spill
-    register("norm", "add_rmsnorm", "triton_rows_auto", formats={"bf16"}, hardware={"gpu"},
-             priority=Priority.TUNED + 2, traits={"batch_invariant": False})(add_rmsnorm_auto)

@@ -108,8 +108,7 @@
 #   goldens_check_kv32  the goldens with JENGINE_ATTENTION_KV_TILE=32 set (tests/goldens/
 #                  h200_kv32.json once 64 is the default, h200.json until then)
 #   auto_leaves_ab  auto's model rows (decode bs 1 / 64 / 256, the 4096-token prefill) as planned,
-#                  then without its one-warp boundary (norm.add_rmsnorm.triton_rows_auto), then
-#                  without the RoPE + KV write on the merged q/k/v output (attention.rope_write.
+#                  then without the RoPE + KV write on the merged q/k/v output (attention.rope_write.
 #                  triton_fused_qkv); timings only (auto has no bit contract)
 #   The page ids per split (JENGINE_ATTENTION_PAGES: "planned", the default since the twenty-third
 #   session, "tile" the older form, "split" every launch; the same bits every way: each split's
@@ -283,9 +282,8 @@ for s in "$@"; do
     plan_ab_attention)  # auto's model rows with the Triton attention, then with XLA's (the next leaf)
       step model_auto_default 200 python3 -m jengine.cli bench --parts model --numerics auto --iters 10 --batch-sizes 1 64 --long-context 0 --part-timeout 190 --out "$out/model_auto_default"
       step model_auto_xla_attention 200 python3 scripts/gpu_plan_ab.py --without attention.paged.triton_wide_prefill attention.paged.triton_fixed_split --out "$out/model_auto_xla_attention.json" -- --numerics auto --iters 10 --batch-sizes 1 64 --long-context 0 ;;
-    auto_leaves_ab)  # auto's model rows as planned (its boundary on the one-warp launch, RoPE + KV write reading q/k/v's merged GEMM output), then without each
+    auto_leaves_ab)  # auto's model rows as planned (RoPE + KV write reading q/k/v's merged GEMM output), then without it
       step model_auto_planned 200 python3 -m jengine.cli bench --parts model --numerics auto --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_auto_planned"
-      step model_auto_norm_xla 200 python3 scripts/gpu_plan_ab.py --without norm.add_rmsnorm.triton_rows_auto --out "$out/model_auto_norm_xla.json" -- --numerics auto --iters 20 --batch-sizes 1 64 256 --long-context 0
       step model_auto_rope_3buf 200 python3 scripts/gpu_plan_ab.py --without attention.rope_write.triton_fused_qkv --out "$out/model_auto_rope_3buf.json" -- --numerics auto --iters 20 --batch-sizes 1 64 256 --long-context 0 ;;
     plan_ab_xla_attention_only) step model_auto_xla_attention 200 python3 scripts/gpu_plan_ab.py --without attention.paged.triton_wide_prefill attention.paged.triton_fixed_split --out "$out/model_auto_xla_attention.json" -- --numerics auto --iters 10 --batch-sizes 1 64 --long-context 0 ;;
     triton_call_ab)

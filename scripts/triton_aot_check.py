@@ -159,9 +159,7 @@ def norm_kernels():
                      out_ptr="*bf16", new_res_ptr="*bf16")
     for rows, w in sorted({(r, w) for _, r, w in triton_norm.ROWS_PLAN}):
         yield (f"add_rmsnorm rows H=4096 bf16 ROWS={rows} w{w}", K.add_rmsnorm_rows_kernel,
-               rows_args, dict(consts, ROWS=rows, ROUND_SUM=True), (w, 1, True))
-    yield ("add_rmsnorm rows H=4096 bf16 ROWS=1 w1 auto (f32 sum)", K.add_rmsnorm_rows_kernel,
-           rows_args, dict(consts, ROWS=1, ROUND_SUM=False), (1, 1, True))
+               rows_args, dict(consts, ROWS=rows), (w, 1, True))
     for n in (14336, 4096 * 14336):
         yield (f"silu N={n} bf16 times", K.silu_kernel,
                dict(x_ptr="*bf16", up_ptr="*bf16", out_ptr="*bf16"),

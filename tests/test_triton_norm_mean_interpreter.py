@@ -80,54 +80,6 @@ def test_several_rows_per_program_give_the_one_row_kernels_bits(width):
     assert triton_norm.rows_plan(1, True) == (1, 1) == triton_norm.rows_plan(4096, True)
 
 
-def test_autos_boundary_launch_norms_the_f32_sum():
-    """auto's layer boundary (triton_norm.add_rmsnorm_auto: the rows launch without ROUND_SUM, one
-    row on one warp) computes the fused boundary: the one-row kernel's f32-sum outputs, both of
-    them. Control: the same launch with ROUND_SUM (the unfused boundary) gives other normed rows.
-    Auto promises no bits on the GPU; this checks the arithmetic it runs."""
-    from pallas_kernels._triton_launch import kernels, torch_launch
-
-    gen = torch.Generator().manual_seed(7)
-    m, width = 5, 96
-    x, r = (torch.randn(m, width, generator=gen).mul(3).to(torch.bfloat16) for _ in range(2))
-    w = torch.randn(width, generator=gen).to(torch.bfloat16)
-    fused = triton_norm.add_rmsnorm_triton_torch(x, r, w, eps=1e-5)
-    consts, _ = triton_norm._launch_params(width)
-
-    def rows_launch(round_sum):
-        out, new_res = torch.empty_like(x), torch.empty_like(x)
-        torch_launch(kernels().add_rmsnorm_rows_kernel, (x, r, w, 1e-5, m), (out, new_res), (m,),
-                     num_warps=1, num_stages=1, ROWS=1, ROUND_SUM=round_sum, **consts)
-        return out, new_res
-
-    for got, want in zip(rows_launch(False), fused):
-        assert count_bit_differences(got.float().numpy(), want.float().numpy()) == 0
-    assert count_bit_differences(rows_launch(True)[0].float().numpy(),
-                                 fused[0].float().numpy()) > 0
-
-
-@pytest.fixture
-def registered_norm(monkeypatch):
-    yield from triton_interpreter.registered_as_on_a_gpu(
-        monkeypatch, triton_norm, [("norm", "rmsnorm", "triton_fixed_tree"),
-                                   ("norm", "add_rmsnorm", "triton_fixed_tree"),
-                                   ("norm", "add_rmsnorm", "triton_rows_auto")])
-
-
-def test_auto_plans_its_boundary_launch_in_bf16_and_rl_bitwise_never_does(registered_norm):
-    from pallas_kernels.registry import REGISTRY
-
-    def plan(features, fmt="bf16"):
-        return REGISTRY.plan("norm", "add_rmsnorm", formats={fmt}, hardware="gpu",
-                             features=features).leaf.impl
-
-    assert plan(frozenset()) == "triton_rows_auto"  # --numerics auto
-    assert plan(frozenset(), "f32") == "xla_native"  # one warp would spill an f32 row
-    assert plan(frozenset({"batch_invariant"})) == "triton_fixed_tree"  # rl-bitwise
-    leaf = next(x for x in REGISTRY.leaves("norm", "add_rmsnorm") if x.impl == "triton_rows_auto")
-    assert leaf.traits == {"batch_invariant": False}
-
-
 def test_a_rows_launch_takes_more_warps_only_where_one_would_spill():
     """One warp holds a hidden-4096 row (Llama-3-8B) without spilling; wider rows (Qwen 14B's
     5120, Llama-70B's 8192: blocks of 8192) take a warp per 4096 elements (sm_90 ptxas: 6.8 KB
