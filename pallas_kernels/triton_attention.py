@@ -5,7 +5,8 @@ How each launch is planned (its tile, schedule, row sum, page ids, launch option
 pallas_kernels/triton_attention_plan.py; the algorithm and why its bits cannot depend on the batch
 are in pallas_kernels/_triton_attention_kernels.py: fixed splits of SPLIT positions from position
 0, each an online softmax over KV tiles (DEFAULT_KV_TILE positions in bf16, BLOCK_N in f32),
-merged in split order; a program holds a tile of TPP consecutive tokens of one request x the query heads of one KV head.
+merged in split order; a program holds a tile of TPP consecutive tokens of one request x the
+query heads of one KV head.
 
 Two schedules give the same bits: `serial` (one program walks every split of its tile) and `split`
 (one program per split; the last of a tile's programs to finish merges them, in the same launch).

@@ -420,7 +420,7 @@ def test_with_a_layout_free_row_sum_it_is_still_attention_and_one_algorithm(setu
         np.testing.assert_allclose(serial[i], _reference(q[r][p], *seqs[r], p), atol=1e-5, rtol=0)
 
 
-# -- the KV tile (JENGINE_ATTENTION_KV_TILE: 64 positions, the default, or 32, another definition) --
+# -- the KV tile (JENGINE_ATTENTION_KV_TILE: 64 positions by default, 32 another definition) --
 
 
 def _planned(rows, auto=False, dtype=torch.bfloat16):
