@@ -104,9 +104,12 @@
 #   accept_llama_kv64, harness_prod_llama_kv64, goldens_record_kv64  alignment MATCH, the
 #                  production harness and the goldens ($out/h200_kv64.json) on 64
 #                  (kvtile_ab ran 2026-12-05 on an H100: prefill 1.12x -> 1.10x auto, decode
-#                  unchanged; these three have not run)
+#                  unchanged; these three ran 2026-12-06 on the H200, and 64 became the default)
 #   goldens_check_kv32  the goldens with JENGINE_ATTENTION_KV_TILE=32 set (tests/goldens/
-#                  h200_kv32.json once 64 is the default, h200.json until then)
+#                  h200_kv32.json, the definition before)
+#   maxnreg_ab     both modes' decode rows (bs 64 / 256, where the narrow serial launch runs) with
+#                  its register bound (PAGES_MAXNREG 128, as planned), then unbounded (the plan
+#                  file edited, restored after); timings only: a bound moves no float op
 #   auto_leaves_ab  auto's model rows (decode bs 1 / 64 / 256, the 4096-token prefill) as planned,
 #                  then without the RoPE + KV write on the merged q/k/v output (attention.rope_write.
 #                  triton_fused_qkv); timings only (auto has no bit contract)
@@ -267,6 +270,15 @@ with_tiles() {  # with_tiles PY CMD...: CMD with the tile file edited by PY (a s
   "$@"
   cp /tmp/tiles.json.bak "$tiles"
 }
+with_plan_edit() {  # with_plan_edit SED CMD...: CMD with the attention plan's source edited by SED
+  # (refused if it changes nothing), the file restored after
+  local plan=pallas_kernels/triton_attention_plan.py edit=$1; shift
+  cp "$plan" /tmp/plan.py.bak
+  sed -i "$edit" "$plan"
+  if cmp -s "$plan" /tmp/plan.py.bak; then echo "with_plan_edit: '$edit' changed nothing" >&2; return 1; fi
+  "$@"
+  cp /tmp/plan.py.bak "$plan"
+}
 # The Llama-3-8B entries' own tiles (the prefill's: M > 256) on the flat-K serial schedule: the same
 # K chunks, so the same bits (_triton_gemm_kernels._gemm_flat); split_at_every_m off so M = 4096
 # runs it.
@@ -419,15 +431,20 @@ for s in "$@"; do
       JENGINE_ATTENTION_ROWSUM=dot step goldens_record_dot 560 python3 scripts/goldens.py record --sections tiny families production --device cuda --out "$out/h200_dot.json" ;;
     kvtile_ab_rl|kvtile_ab_auto)  # that mode's model rows on 32-, then 64-position KV tiles (one machine)
       m=$([ "$s" = kvtile_ab_rl ] && echo rl-bitwise || echo auto)
-      step "model_${m}_kv32" 200 python3 -m jengine.cli bench --parts model --numerics "$m" --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_${m}_kv32"
+      JENGINE_ATTENTION_KV_TILE=32 step "model_${m}_kv32" 200 python3 -m jengine.cli bench --parts model --numerics "$m" --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_${m}_kv32"
       JENGINE_ATTENTION_KV_TILE=64 step "model_${m}_kv64" 200 python3 -m jengine.cli bench --parts model --numerics "$m" --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_${m}_kv64" ;;
+    maxnreg_ab)  # the narrow serial attention launch with its register bound, then without
+      for m in rl-bitwise auto; do
+        step "model_${m}_bound" 150 python3 -m jengine.cli bench --parts model --numerics "$m" --iters 20 --batch-sizes 64 256 --long-context 0 --prefill-tokens 0 --part-timeout 140 --out "$out/model_${m}_bound"
+        with_plan_edit 's/^\(PAGES_ENV, PAGES_STAGES, PAGES_MAXNREG = .*\), 128$/\1, None/' \
+          step "model_${m}_unbounded" 150 python3 -m jengine.cli bench --parts model --numerics "$m" --iters 20 --batch-sizes 64 256 --long-context 0 --prefill-tokens 0 --part-timeout 140 --out "$out/model_${m}_unbounded"
+      done ;;
     accept_llama_kv64)  # trainer alignment at production widths with every bf16 launch on 64-position KV tiles
       JENGINE_ATTENTION_KV_TILE=64 step "$s" 420 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases llama ;;
     harness_prod_llama_kv64)  # after accept_llama_kv64
       JENGINE_ATTENTION_KV_TILE=64 step "$s" 300 python3 -m jengine.cli invariance --model /tmp/acceptance/llama --numerics rl-bitwise --max-new-tokens 8 ;;
-    goldens_check_kv32)  # the goldens on 32-position KV tiles set explicitly: h200_kv32.json once 64 is the default, h200.json until then
-      g=tests/goldens/h200_kv32.json; [ -f "$g" ] || g=tests/goldens/h200.json
-      JENGINE_ATTENTION_KV_TILE=32 step goldens_check_kv32 560 python3 scripts/goldens.py check "$g" --device cuda ;;
+    goldens_check_kv32)  # the goldens of the 32-position definition (before the twenty-eighth session's)
+      JENGINE_ATTENTION_KV_TILE=32 step goldens_check_kv32 560 python3 scripts/goldens.py check tests/goldens/h200_kv32.json --device cuda ;;
     goldens_record_kv64)  # the goldens on 64-position KV tiles (what adopting them as the definition would record)
       JENGINE_ATTENTION_KV_TILE=64 step goldens_record_kv64 560 python3 scripts/goldens.py record --sections tiny families production --device cuda --out "$out/h200_kv64.json" ;;
     accept_*) step "$s" 420 python3 scripts/gpu_acceptance.py --out "$out/$s" --cases "${s#accept_}" ;;
