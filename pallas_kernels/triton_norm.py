@@ -97,25 +97,18 @@ def rows_plan(m: int, round_sum: bool, plan=None) -> tuple[int, int] | None:
                  if m >= min_m), None)
 
 
-def _rows_launch(x, residual, weight, eps, rows: tuple[int, int]):
-    """add_rmsnorm_rows_kernel from JAX: rows = (rows per program, the plan's warps)."""
-    m = x.shape[0]
-    consts, _ = _launch_params(x.shape[1])
-    outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype))
-    return jax_launch(kernels().add_rmsnorm_rows_kernel, (x, residual, weight, np.float32(eps), m),
-                      outs, (cdiv(m, rows[0]),), num_warps=rows_warps(consts["BLOCK"], rows[1]),
-                      num_stages=1, ROWS=rows[0], **consts)
-
-
 def add_rmsnorm_triton(x, residual, weight, *, eps, round_sum=False):
     m, h = _check("add_rmsnorm", x, weight, residual)
     if m == 0:
         return x, residual
-    rows = rows_plan(m, round_sum)
-    if rows is not None:
-        return _rows_launch(x, residual, weight, eps, rows)
     consts, warps = _launch_params(h)
     outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype))
+    rows = rows_plan(m, round_sum)
+    if rows is not None:
+        return jax_launch(kernels().add_rmsnorm_rows_kernel,
+                          (x, residual, weight, np.float32(eps), m), outs, (cdiv(m, rows[0]),),
+                          num_warps=rows_warps(consts["BLOCK"], rows[1]), num_stages=1,
+                          ROWS=rows[0], **consts)
     normed, new_residual = jax_launch(kernels().add_rmsnorm_kernel,
                                       (x, residual, weight, np.float32(eps)), outs, (m,),
                                       num_warps=warps, num_stages=1, ROUND_SUM=bool(round_sum),
