@@ -190,20 +190,30 @@ def _load_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base, ok, ROWS: tl.cons
 @triton.jit
 def _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0, max_pos, row_pos,
                     ROWS: tl.constexpr, W: tl.constexpr, SPLIT: tl.constexpr,
-                    CACHE: tl.constexpr, AHEAD: tl.constexpr):
+                    CACHE: tl.constexpr, AHEAD: tl.constexpr, STAGES: tl.constexpr):
     """Every live split's stored state (split s at base0 + s * ROWS) folded in split order, as the
     serial kernel folds them: the split and the serial schedules share this order and `_merge`.
     CACHE: the loads' cache modifier ("" in a kernel of its own; ".cg" where other programs of
-    the same launch wrote the state). AHEAD (with the page ids per split): split s + 1's
-    state is loaded before split s is merged, so its latency hides behind the merge (Triton does
-    not pipeline these loads itself: plain synchronous loads in the sm_90 TTGIR); the same values
-    are merged in the same order (the same bits)."""
+    the same launch wrote the state). The loads are a chain of latencies (a split's merge is a
+    few fmas), so two forms keep more of them in flight; either merges the same values in the
+    same order (the same bits). STAGES > 0 (triton_attention_plan.MERGE_STAGES, the split
+    launch's): Triton's pipeliner runs the loop on STAGES stages, STAGES - 1 splits' states
+    copied ahead (sm_90 TTGIR: async copies; a plain range loop gets none). Else AHEAD: split
+    s + 1's state loaded by hand before split s is merged (the split launch's form before the
+    twenty-ninth session, with the page ids per split). MLA's combine kernel runs the plain loop
+    (STAGES 0, AHEAD off: not measured with either)."""
     rows = tl.arange(0, ROWS)
     w = tl.arange(0, W)
     big_m = tl.full((ROWS,), float("-inf"), tl.float32)
     big_l = tl.zeros((ROWS,), tl.float32)
     big_acc = tl.zeros((ROWS, W), tl.float32)
-    if AHEAD:
+    if STAGES > 0:
+        for split in tl.range(0, max_pos // SPLIT + 1, num_stages=STAGES):
+            m, l, acc = _load_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0 + split * ROWS,
+                                       True, ROWS, W, CACHE)
+            big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc,
+                                           split * SPLIT <= row_pos)
+    elif AHEAD:
         n = max_pos // SPLIT + 1
         m, l, acc = _load_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0, True, ROWS, W,
                                    CACHE)
@@ -279,6 +289,7 @@ def attention_split_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, TPP: tl.constexpr,
     D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
     ROWSUM: tl.constexpr, PAGES: tl.constexpr, NSPLIT: tl.constexpr,
+    MERGE_STAGES: tl.constexpr,
 ):
     """Grid (tiles, HKV, NSPLIT): one split of one tile per program, its state stored to the
     partials [tile, h, split, row]; sem_ptr: one int32 counter per (tile, h) (last_to_arrive;
@@ -304,7 +315,7 @@ def attention_split_kernel(
             if last_to_arrive(sem_ptr + tile * HKV + h, max_pos // SPLIT + 1):
                 big_l, big_acc = _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0,
                                                  max_pos, row_pos, ROWS, D, SPLIT, ".cg",
-                                                 PAGES > 0)
+                                                 PAGES > 0, MERGE_STAGES)
                 _store_out(out_ptr, big_l, big_acc, g, ok, tok, h, HQ, G, D)
 
 

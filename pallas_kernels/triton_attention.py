@@ -75,7 +75,7 @@ from pallas_kernels._triton_launch import (INVARIANT, Counters, cdiv, contiguous
                                            jax_launch, require_cuda_tensors, torch_launch,
                                            triton_available)
 from pallas_kernels.registry import Priority, register
-from pallas_kernels.triton_attention_plan import head_dim_supported, plan
+from pallas_kernels.triton_attention_plan import MERGE_STAGES, head_dim_supported, plan
 
 FORMATS = {"bf16", "f32"}
 def kernels():
@@ -164,7 +164,8 @@ def paged_attention_triton(q, kv, block_tables, token_req, positions, *, scale,
                          (jax.ShapeDtypeStruct((n,), jnp.float32),
                           jax.ShapeDtypeStruct((n,), jnp.float32),
                           jax.ShapeDtypeStruct((n, c["D"]), jnp.float32), out),
-                         (t, c["HKV"], nsplit), **launch, **c, NSPLIT=nsplit)
+                         (t, c["HKV"], nsplit), **launch, **c, NSPLIT=nsplit,
+                         MERGE_STAGES=MERGE_STAGES)
     return out
 
 
@@ -224,7 +225,7 @@ def paged_attention_triton_torch(q, kv, block_tables, token_req, positions, *, s
              torch.empty(n, dtype=torch.float32, device=q.device),
              torch.empty(n, c["D"], dtype=torch.float32, device=q.device))
     torch_launch(k.attention_split_kernel, (*inputs, Counters(t * c["HKV"])), (*parts, out),
-                 (t, c["HKV"], nsplit), **launch, **c, NSPLIT=nsplit)
+                 (t, c["HKV"], nsplit), **launch, **c, NSPLIT=nsplit, MERGE_STAGES=MERGE_STAGES)
     return out
 
 

@@ -83,7 +83,7 @@ def split_launch(case, warps, stages, tpp=None, block_n=None, split=None, maxnre
         rows_exp.torch_launch(ta.kernels().attention_split_kernel, (*inputs, sems),
                               (*parts, out, sems), (t, c["HKV"], nsplit), num_warps=warps,
                               num_stages=stages, enable_fp_fusion=False, **c, NSPLIT=nsplit,
-                              **_bound(maxnreg))
+                              MERGE_STAGES=tap.MERGE_STAGES, **_bound(maxnreg))
     run()
     return run, out
 
@@ -256,8 +256,9 @@ def main() -> int:
     p.add_argument("--out", default="/tmp/attention_split")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny cases")
     p.add_argument("--splits", type=int, nargs="*", default=[],
-                   help="also time today's launch with these SPLIT sizes: other bits, so for "
-                        "--numerics auto only (no contract there); rows differing are reported")
+                   help="also time today's launch with these SPLIT sizes, page ids per split "
+                        "(the engine's form): other bits, so for --numerics auto only (no "
+                        "contract there; its AUTO_SPLIT); rows differing are reported")
     p.add_argument("--configs", nargs="*", type=lambda c: tuple(int(v) for v in c.split(",")),
                    help="WARPS,STAGES[,TPP[,BLOCK_N[,SPLIT[,MAXNREG]]]] launches to sweep "
                         "(default: a fixed set around today's; 0 is the leaf's value, for MAXNREG "
@@ -309,8 +310,9 @@ def main() -> int:
         control = rows_exp.rows_differ(ref, split_launch(case, *TODAY, split=128)[1])
         print(f"== {name}: split vs serial schedule differs in {vs_serial} rows; control "
               f"(SPLIT 128) differs in {control} rows", flush=True)
-        for split in args.splits:
-            run, out = split_launch(case, *TODAY, split=split)
+        for split in args.splits:  # as the engine launches it: the page ids per split
+            run, out = split_launch(case, *TODAY, split=split,
+                                    pages=tap.pages_per_split(rows_exp.PAGE, split))
             rows.append(dict(case=name, split_warps=TODAY[0], split_stages=TODAY[1],
                              rows_differ=rows_exp.rows_differ(ref, out), us=device_us(run),
                              vs_serial=vs_serial, control_rows_differ=control, error=None,

@@ -40,7 +40,12 @@
 #   triton_call_ab_rl  rl-bitwise decode rows with jax-triton's legacy custom call, then the FFI
 #                  one (JENGINE_TRITON_CALL=ffi: the step one CUDA graph)
 #   gemm_decode_tiles2  timings only, per shape, of launch shapes around the table's by_m picks
-#   attention_split_auto  attention_split plus today's launch at SPLIT 64 / 128 (auto only)
+#   merge_stages_ab  both modes' bs 1 and 16 x 8k rows with the split launch's merge pipelined
+#                  by Triton (MERGE_STAGES 4), with the load ahead by hand (0), with 4 again
+#   auto_gemm_plan_ab  auto's decode rows (bs 1 / 64) with rl-bitwise's Triton GEMM leaves planned
+#                  instead of XLA's dots (gpu_plan_ab.py --without), between two planned runs
+#   attention_split_auto  today's split launch at SPLIT 64 / 128 / 256, page ids per split (auto's
+#                  lever; run 2026-12-06, H100: only bs 1 x 1024 gains, not kept)
 #   attention_split scripts/gpu_attention_split.py: the split attention schedule (bs 1 / 16
 #                  decode) at other num_warps / num_stages: bits vs today, µs per layer
 #   attention_serial  the same script's --serial: the serial schedule (64 / 256 decode rows, a
@@ -294,6 +299,12 @@ for s in "$@"; do
     plan_ab_attention)  # auto's model rows with the Triton attention, then with XLA's (the next leaf)
       step model_auto_default 200 python3 -m jengine.cli bench --parts model --numerics auto --iters 10 --batch-sizes 1 64 --long-context 0 --part-timeout 190 --out "$out/model_auto_default"
       step model_auto_xla_attention 200 python3 scripts/gpu_plan_ab.py --without attention.paged.triton_wide_prefill attention.paged.triton_fixed_split --out "$out/model_auto_xla_attention.json" -- --numerics auto --iters 10 --batch-sizes 1 64 --long-context 0 ;;
+    auto_gemm_plan_ab)  # auto's decode rows (bs 1 / 64) as planned, with rl-bitwise's Triton grouped GEMM (q/k/v, gate/up), with its Triton GEMMs too (o, down, LM head), as planned again
+      a="--numerics auto --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0"
+      step model_auto_planned 120 python3 -m jengine.cli bench --parts model $a --part-timeout 110 --out "$out/model_auto_planned"
+      step model_auto_triton_group 120 python3 scripts/gpu_plan_ab.py --without linear.gemm_group.xla_native --out "$out/model_auto_triton_group.json" -- $a
+      step model_auto_triton_gemms 120 python3 scripts/gpu_plan_ab.py --without linear.gemm_group.xla_native linear.gemm.xla_native --out "$out/model_auto_triton_gemms.json" -- $a
+      step model_auto_planned2 120 python3 -m jengine.cli bench --parts model $a --part-timeout 110 --out "$out/model_auto_planned2" ;;
     auto_leaves_ab)  # auto's model rows as planned (RoPE + KV write reading q/k/v's merged GEMM output), then without it
       step model_auto_planned 200 python3 -m jengine.cli bench --parts model --numerics auto --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_auto_planned"
       step model_auto_rope_3buf 200 python3 scripts/gpu_plan_ab.py --without attention.rope_write.triton_fused_qkv --out "$out/model_auto_rope_3buf.json" -- --numerics auto --iters 20 --batch-sizes 1 64 256 --long-context 0 ;;
@@ -309,7 +320,7 @@ for s in "$@"; do
     cmdbuf_modes) step cmdbuf_modes 400 bash scripts/gpu_cmdbuf_modes.sh "$out/cmdbuf_modes" ;;
     attention_split) step attention_split 200 python3 scripts/gpu_attention_split.py --out "$out/attention_split" ;;
     attention_serial) step attention_serial 200 python3 scripts/gpu_attention_split.py --serial --out "$out/attention_serial" ;;
-    attention_split_auto) step attention_split_auto 150 python3 scripts/gpu_attention_split.py --splits 64 128 --out "$out/attention_split_auto" ;;
+    attention_split_auto) step attention_split_auto 150 python3 scripts/gpu_attention_split.py --splits 64 128 256 --configs 4,2 --out "$out/attention_split_auto" ;;
     gemm_decode_tiles2)  # timings only, per shape family: around the table's by_m picks
       step gemm_decode_tiles_qkv_o 120 python3 scripts/gpu_gemm_decode_tiles.py --skip-bits --budget-s 100 --shapes q/o_proj "qkv group" --candidates 64,64,4,3 64,64,4,5 64,32,4,4 64,32,4,6 32,64,4,4 64,64,4,4,serial 64,32,4,4,serial --out "$out/gemm_decode_tiles_qkv_o"
       step gemm_decode_tiles_gate_up 100 python3 scripts/gpu_gemm_decode_tiles.py --skip-bits --budget-s 80 --shapes "gate_up group" --candidates 64,128,4,3 64,128,4,5 64,256,4,3 64,128,4,4,split 64,64,4,4,split 64,64,4,6 --out "$out/gemm_decode_tiles_gate_up"
@@ -433,6 +444,13 @@ for s in "$@"; do
       m=$([ "$s" = kvtile_ab_rl ] && echo rl-bitwise || echo auto)
       JENGINE_ATTENTION_KV_TILE=32 step "model_${m}_kv32" 200 python3 -m jengine.cli bench --parts model --numerics "$m" --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_${m}_kv32"
       JENGINE_ATTENTION_KV_TILE=64 step "model_${m}_kv64" 200 python3 -m jengine.cli bench --parts model --numerics "$m" --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_${m}_kv64" ;;
+    merge_stages_ab)  # the split launch's merge on Triton's pipeliner (MERGE_STAGES 4) against the hand-written load ahead (0): both modes' split-schedule rows (bs 1, 16 x 8k), 4 / 0 / 4
+      for m in rl-bitwise auto; do
+        for ms in 4 0 4b; do
+          with_plan_edit "s/^MERGE_STAGES = .*/MERGE_STAGES = ${ms%b}  # gpu_run.sh edit/" \
+            step "model_${m}_merge$ms" 120 python3 -m jengine.cli bench --parts model --numerics "$m" --iters 20 --batch-sizes 1 --prefill-tokens 0 --part-timeout 110 --out "$out/model_${m}_merge$ms"
+        done
+      done ;;
     maxnreg_ab)  # the narrow serial attention launch with its register bound, then without
       for m in rl-bitwise auto; do
         step "model_${m}_bound" 150 python3 -m jengine.cli bench --parts model --numerics "$m" --iters 20 --batch-sizes 64 256 --long-context 0 --prefill-tokens 0 --part-timeout 140 --out "$out/model_${m}_bound"

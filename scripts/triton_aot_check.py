@@ -202,7 +202,7 @@ def attention_kernels():
             parts = {"sem_in_ptr": "*i32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
                      "part_acc_ptr": "*fp32", "out_ptr": f"*{dtype}", "sem_ptr": "*i32"}
             yield (label + " split", K.attention_split_kernel, dict(inputs, **parts),
-                   dict(c, NSPLIT=8), launch)
+                   dict(c, NSPLIT=8, MERGE_STAGES=tap.MERGE_STAGES), launch)
             # the page ids per split (16-position pages) as the leaf's "planned" form launches
             # them (stages, register bound: triton_attention_plan.paged): every launch the leaf
             # makes, labelled as the page-ids-per-tile launch + " pages" (--same-float-ops pairs
@@ -215,9 +215,9 @@ def attention_kernels():
             if wide is not c:
                 yield (wide_label + " pages", K.attention_serial_kernel,
                        dict(inputs, out_ptr=f"*{dtype}"), *planned(wide, "serial"))
-            pc, options = planned(c, "split")
+            pc, options = planned(dict(c, NSPLIT=8, MERGE_STAGES=tap.MERGE_STAGES), "split")
             yield (label + " split pages", K.attention_split_kernel, dict(inputs, **parts),
-                   dict(pc, NSPLIT=8), options)
+                   pc, options)
             if hq == 32:  # the layout-free row sums (JENGINE_ATTENTION_ROWSUM=tree / dot, gpu_run.sh
                 # attention_rows_<form> / attention_split_<form>) at what they launch
                 for form, code in (("tree", 1), ("dot", 2)):
@@ -229,7 +229,8 @@ def attention_kernels():
                                K.attention_serial_kernel, dict(inputs, out_ptr=f"*{dtype}"),
                                dict(alt, TPP=tpp), (warps, tap.NUM_STAGES, False))
                     yield (label + f" split {form}", K.attention_split_kernel,
-                           dict(inputs, **parts), dict(alt, NSPLIT=8), launch)
+                           dict(inputs, **parts),
+                           dict(alt, NSPLIT=8, MERGE_STAGES=tap.MERGE_STAGES), launch)
             if (hq, dtype) == (32, "bf16"):  # JENGINE_ATTENTION_KV_TILE=64 (gpu_run.sh
                 # kvtile_ab_*): every launch it plans, on the dot sum, as the plan launches them
                 kv = dict(c, BLOCK_N=64, ROWSUM=tap.ROWSUM_FORMS["dot"])
@@ -237,7 +238,8 @@ def attention_kernels():
                         ("serial", K.attention_serial_kernel, "serial", kv, {"out_ptr": "*bf16"}),
                         (f"serial wide TPP={tap.WIDE_ROWS // kv['GP']}", K.attention_serial_kernel,
                          "serial", dict(kv, TPP=tap.WIDE_ROWS // kv["GP"]), {"out_ptr": "*bf16"}),
-                        ("split", K.attention_split_kernel, "split", dict(kv, NSPLIT=8), parts)):
+                        ("split", K.attention_split_kernel, "split",
+                         dict(kv, NSPLIT=8, MERGE_STAGES=tap.MERGE_STAGES), parts)):
                     yield (label + f" kv64 {name}", fn, dict(inputs, **out),
                            *planned(consts, schedule))
             rope = {**{p: f"*{dtype}" for p in ("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr")},

@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+from pallas_kernels import triton_attention_plan as tap
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -76,6 +78,24 @@ def test_the_planned_register_bound_reaches_the_ptx(tmp_path):
     assert bounds["attention hq=32 hkv=8 D=128 bf16 serial pages"] == "['.maxnreg 128']", bounds
     assert bounds["attention hq=32 hkv=8 D=128 bf16 serial"] == "[]", bounds
     assert bounds["attention hq=32 hkv=8 D=128 bf16 split pages"] == "[]", bounds
+
+
+def test_the_planned_merge_stages_pipeline_the_split_merge(tmp_path):
+    """MERGE_STAGES reaches the split launch: on the planned stages Triton's pipeliner turns the
+    merge loop's loads of the stored splits into async copies (sm_90 TTGIR), which the same
+    launch at MERGE_STAGES 0 (the control: the hand-written load ahead) does not have."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import triton_aot_check as c\n"
+            "for label, fn, args, consts, opts in c.attention_kernels():\n"
+            "    if label == 'attention hq=32 hkv=8 D=128 bf16 kv64 split':\n"
+            "        for stages in (consts['MERGE_STAGES'], 0):\n"
+            "            ir = c._compile(fn, args, dict(consts, MERGE_STAGES=stages), *opts)\n"
+            "            print(stages, ir.asm['ttgir'].count('ttg.async_copy_global_to_local'))\n")
+    proc = _script([], tmp_path, code=code)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (planned, copies), (_, before) = (map(int, line.split()) for line in proc.stdout.splitlines())
+    assert planned == tap.MERGE_STAGES > 1
+    # the K/V tile's two copies either way; the merge's m, l and acc on top where pipelined
+    assert copies >= before + 3, (copies, before)
 
 
 def test_negative_control_another_row_sum_changes_the_float_instructions(tmp_path):

@@ -162,7 +162,8 @@ def _split_launch(setup, rows, sems):
     ta.torch_launch(ta.kernels().attention_split_kernel,
                     (qr, k, v, tables, pos, tiles, t, page_size, width, SCALE, sems),
                     (*parts, out, sems), (t, c["HKV"], nsplit), num_warps=tap.NUM_WARPS,
-                    num_stages=tap.NUM_STAGES, enable_fp_fusion=False, **c, NSPLIT=nsplit)
+                    num_stages=tap.NUM_STAGES, enable_fp_fusion=False, **c, NSPLIT=nsplit,
+                    MERGE_STAGES=tap.MERGE_STAGES)
     return out.numpy(), sems
 
 
