@@ -42,7 +42,7 @@
 #   gemm_decode_tiles2  timings only, per shape, of launch shapes around the table's by_m picks
 #   merge_stages_ab  both modes' bs 1 and 16 x 8k rows with the split launch's merge pipelined
 #                  by Triton (MERGE_STAGES 4), with the load ahead by hand (0), with 4 again
-#   auto_gemm_plan_ab  auto's decode rows (bs 1 / 64) with rl-bitwise's Triton GEMM leaves planned
+#   auto_gemm_plan_ab  auto's decode rows (bs 1 / 64 / 256) with rl-bitwise's Triton GEMM leaves planned
 #                  instead of XLA's dots (gpu_plan_ab.py --without), between two planned runs
 #   attention_split_auto  today's split launch at SPLIT 64 / 128 / 256, page ids per split (auto's
 #                  lever; run 2026-12-06, H100: only bs 1 x 1024 gains, not kept)
@@ -299,12 +299,12 @@ for s in "$@"; do
     plan_ab_attention)  # auto's model rows with the Triton attention, then with XLA's (the next leaf)
       step model_auto_default 200 python3 -m jengine.cli bench --parts model --numerics auto --iters 10 --batch-sizes 1 64 --long-context 0 --part-timeout 190 --out "$out/model_auto_default"
       step model_auto_xla_attention 200 python3 scripts/gpu_plan_ab.py --without attention.paged.triton_wide_prefill attention.paged.triton_fixed_split --out "$out/model_auto_xla_attention.json" -- --numerics auto --iters 10 --batch-sizes 1 64 --long-context 0 ;;
-    auto_gemm_plan_ab)  # auto's decode rows (bs 1 / 64) as planned, with rl-bitwise's Triton grouped GEMM (q/k/v, gate/up), with its Triton GEMMs too (o, down, LM head), as planned again
-      a="--numerics auto --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0"
-      step model_auto_planned 120 python3 -m jengine.cli bench --parts model $a --part-timeout 110 --out "$out/model_auto_planned"
-      step model_auto_triton_group 120 python3 scripts/gpu_plan_ab.py --without linear.gemm_group.xla_native --out "$out/model_auto_triton_group.json" -- $a
-      step model_auto_triton_gemms 120 python3 scripts/gpu_plan_ab.py --without linear.gemm_group.xla_native linear.gemm.xla_native --out "$out/model_auto_triton_gemms.json" -- $a
-      step model_auto_planned2 120 python3 -m jengine.cli bench --parts model $a --part-timeout 110 --out "$out/model_auto_planned2" ;;
+    auto_gemm_plan_ab)  # auto's decode rows (bs 1 / 64 / 256) as planned, with rl-bitwise's Triton grouped GEMM (q/k/v, gate/up), with its Triton GEMMs too (o, down, LM head), as planned again
+      a="--numerics auto --iters 20 --batch-sizes 1 64 256 --long-context 0 --prefill-tokens 0"
+      step model_auto_planned 150 python3 -m jengine.cli bench --parts model $a --part-timeout 140 --out "$out/model_auto_planned"
+      step model_auto_triton_group 150 python3 scripts/gpu_plan_ab.py --without linear.gemm_group.xla_native --out "$out/model_auto_triton_group.json" -- $a
+      step model_auto_triton_gemms 150 python3 scripts/gpu_plan_ab.py --without linear.gemm_group.xla_native linear.gemm.xla_native --out "$out/model_auto_triton_gemms.json" -- $a
+      step model_auto_planned2 150 python3 -m jengine.cli bench --parts model $a --part-timeout 140 --out "$out/model_auto_planned2" ;;
     auto_leaves_ab)  # auto's model rows as planned (RoPE + KV write reading q/k/v's merged GEMM output), then without it
       step model_auto_planned 200 python3 -m jengine.cli bench --parts model --numerics auto --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_auto_planned"
       step model_auto_rope_3buf 200 python3 scripts/gpu_plan_ab.py --without attention.rope_write.triton_fused_qkv --out "$out/model_auto_rope_3buf.json" -- --numerics auto --iters 20 --batch-sizes 1 64 256 --long-context 0 ;;
