@@ -258,7 +258,7 @@ def main() -> int:
     p.add_argument("--splits", type=int, nargs="*", default=[],
                    help="also time today's launch with these SPLIT sizes, page ids per split "
                         "(the engine's form): other bits, so for --numerics auto only (no "
-                        "contract there; its AUTO_SPLIT); rows differing are reported")
+                        "contract there); rows differing are reported")
     p.add_argument("--configs", nargs="*", type=lambda c: tuple(int(v) for v in c.split(",")),
                    help="WARPS,STAGES[,TPP[,BLOCK_N[,SPLIT[,MAXNREG]]]] launches to sweep "
                         "(default: a fixed set around today's; 0 is the leaf's value, for MAXNREG "
