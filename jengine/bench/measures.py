@@ -59,13 +59,14 @@ def at(d: dict, key):
     return d.get(str(key), d.get(key)) if d else None
 
 
-def status(value, target: float, *, at_least: bool, unit: str = "") -> str:
-    """'**met**' or '**missed** by <gap><unit>' (None: 'not measured')."""
+def status(value, target: float, *, at_least: bool, unit: str = "", digits: int = 2) -> str:
+    """'**met**' or '**missed** by <gap><unit>', the gap to `digits` decimals (None: 'not
+    measured')."""
     if value is None:
         return "not measured"
     if (value >= target) if at_least else (value <= target):
         return "**met**"
-    return f"**missed** by {abs(target - value):.2f}{unit}"
+    return f"**missed** by {abs(target - value):.{digits}f}{unit}"
 
 
 def not_measured(part: dict | None, what: str = "part not run") -> str:
