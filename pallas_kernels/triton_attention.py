@@ -51,12 +51,13 @@ harness passes on it). `JENGINE_ATTENTION_KV_TILE=32` gives back the older defin
 Where the K/V rows come from is not part of the algorithm: with the page ids per split (the
 default, planned per launch by `paged`: JENGINE_ATTENTION_PAGES below) a split's page ids are
 loaded once instead of each tile's inside the tile loop, so Triton's pipeliner can issue a tile's
-K/V copies while the previous tile computes, and the split launch's last program loads split
-s + 1's stored state before merging split s (`_merge_partials`, AHEAD). Every launch's sm_90 PTX
-keeps the same float instructions in the same order (scripts/triton_aot_check.py
---same-float-ops, in CI), the interpreter gives the same bits, and the H200's goldens are unchanged
-under it (docs/performance.md, twenty-third session: decode at 64 / 256 rows -3 / -6 %,
-prefill -1 %, both modes).
+K/V copies while the previous tile computes. Every launch's sm_90 PTX keeps the same float
+instructions in the same order (scripts/triton_aot_check.py --same-float-ops, in CI), the
+interpreter gives the same bits, and the H200's goldens are unchanged under it
+(docs/performance.md, twenty-third session: decode at 64 / 256 rows -3 / -6 %, prefill -1 %, both
+modes). Nor is how the split launch's last program loads the stored splits it merges: on
+MERGE_STAGES stages of Triton's pipeliner, several splits ahead of the fold (`_merge_partials`;
+H100 goldens unchanged, twenty-ninth session).
 
 These bits are *not* the portable `fixed_order` leaf's (pallas_kernels/attention.py, f32 p . v, one
 max over the whole context): on a GPU the rl-bitwise plan and trainer mode's twin table both pick

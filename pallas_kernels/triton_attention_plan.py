@@ -50,17 +50,18 @@ KV_TILES = (BLOCK_N, DEFAULT_KV_TILE)
 # and goldens_check_pages on the GPU). "tile": each tile's page ids loaded inside the tile loop
 # (the only form before the twenty-third session; Triton's pipeliner then cannot overlap a tile's
 # copies with the previous tile's compute: the kernels' _split_state). "split": each split's page
-# ids loaded once, every tile's K/V copies issued a tile ahead on PAGES_STAGES stages, and the
-# split merge's loads a split ahead (_merge_partials). "planned" (the default) per launch, from
-# the µs per layer measured on the dot sum (twenty-third session, H200; tile -> split): the split
-# schedule (bs 16 x 8192 187.8 -> 174.1; bs 1 x 1024 14.2 -> 14.3) and rl-bitwise's wide tile
+# ids loaded once, every tile's K/V copies issued a tile ahead on PAGES_STAGES stages (and, until
+# MERGE_STAGES below, the split merge's loads a split ahead). "planned" (the default) per launch,
+# from the µs per layer measured on the dot sum (twenty-third session, H200; tile -> split): the
+# split schedule (bs 16 x 8192 187.8 -> 174.1; bs 1 x 1024 14.2 -> 14.3) and rl-bitwise's wide tile
 # (4096-token prefill 1119.1 -> 996.8) as "split"; the narrow serial launch (decode at 64 / 256
 # rows: 88.3 -> 78.2, 327.0 -> 287.0) under a bound of PAGES_MAXNREG registers (on Triton's sum it
 # took 154 unbounded, 3 programs per SM where 4 fit, and lost; on the dot the bound is neutral:
-# 77.9 / 284.2 unbounded); auto's wide tile (64-position KV tiles) on NUM_STAGES stages (949.3 ->
-# 915.7; on 3 stages 1346.8). Not planned anywhere: a wide tile at SPLIT 512 with the page ids per
-# split faults (illegal memory access, H200 and H100; the narrow tile at SPLIT 512 does not; cause
-# not found: gpu_run.sh pages_crash).
+# 77.9 / 284.2 unbounded; in the model, H100, twenty-ninth session, unbounded costs bs 64 / 256
+# +0.9 / +1.0 ms pipelined in both modes); auto's wide tile (64-position KV tiles) on NUM_STAGES
+# stages (949.3 -> 915.7; on 3 stages 1346.8). Not planned anywhere: a wide tile at SPLIT 512 with
+# the page ids per split faults (illegal memory access, H200 and H100; the narrow tile at SPLIT 512
+# does not; cause not found: gpu_run.sh pages_crash).
 PAGES_ENV, PAGES_STAGES, PAGES_MAXNREG = "JENGINE_ATTENTION_PAGES", 3, 128
 PAGES_FORMS = ("planned", "tile", "split")
 # The split launch's merge (its last program per tile folds the stored splits in a chain of
