@@ -174,63 +174,44 @@ def _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base, m, l, acc, ROWS:
 
 
 @triton.jit
-def _load_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base, ok, ROWS: tl.constexpr,
+def _load_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base, ROWS: tl.constexpr,
                    W: tl.constexpr, CACHE: tl.constexpr):
-    """One split's stored state at partial rows [base, base + ROWS) (zeros where not ok: a split
-    past the last)."""
+    """One split's stored state at partial rows [base, base + ROWS)."""
     rows = tl.arange(0, ROWS)
     w = tl.arange(0, W)
-    m = tl.load(part_m_ptr + base + rows, mask=ok, other=0.0, cache_modifier=CACHE)
-    l = tl.load(part_l_ptr + base + rows, mask=ok, other=0.0, cache_modifier=CACHE)
-    acc = tl.load(part_acc_ptr + (base + rows)[:, None] * W + w[None, :], mask=ok, other=0.0,
-                  cache_modifier=CACHE)
+    m = tl.load(part_m_ptr + base + rows, cache_modifier=CACHE)
+    l = tl.load(part_l_ptr + base + rows, cache_modifier=CACHE)
+    acc = tl.load(part_acc_ptr + (base + rows)[:, None] * W + w[None, :], cache_modifier=CACHE)
     return m, l, acc
 
 
 @triton.jit
 def _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0, max_pos, row_pos,
                     ROWS: tl.constexpr, W: tl.constexpr, SPLIT: tl.constexpr,
-                    CACHE: tl.constexpr, AHEAD: tl.constexpr, STAGES: tl.constexpr):
+                    CACHE: tl.constexpr, STAGES: tl.constexpr):
     """Every live split's stored state (split s at base0 + s * ROWS) folded in split order, as the
     serial kernel folds them: the split and the serial schedules share this order and `_merge`.
     CACHE: the loads' cache modifier ("" in a kernel of its own; ".cg" where other programs of
     the same launch wrote the state). The loads are a chain of latencies (a split's merge is a
-    few fmas), so two forms keep more of them in flight; either merges the same values in the
-    same order (the same bits). STAGES > 0 (triton_attention_plan.MERGE_STAGES, the split
-    launch's): Triton's pipeliner runs the loop on STAGES stages, STAGES - 1 splits' states
-    copied ahead (sm_90 TTGIR: async copies; a plain range loop gets none). Else AHEAD: split
-    s + 1's state loaded by hand before split s is merged (the split launch's form before the
-    twenty-ninth session, with the page ids per split). MLA's combine kernel runs the plain loop
-    (STAGES 0, AHEAD off: not measured with either)."""
-    rows = tl.arange(0, ROWS)
-    w = tl.arange(0, W)
+    few fmas): STAGES > 0 (triton_attention_plan.MERGE_STAGES, the split launch's) runs the loop
+    on STAGES stages of Triton's pipeliner, STAGES - 1 splits' states copied ahead (sm_90 TTGIR:
+    async copies; a plain range loop gets none), the same values merged in the same order (the
+    same bits). It replaced a hand-written load one split ahead (twenty-ninth session, measured
+    against it: docs/performance.md). MLA's combine kernel runs the plain loop (STAGES 0: not
+    measured pipelined)."""
     big_m = tl.full((ROWS,), float("-inf"), tl.float32)
     big_l = tl.zeros((ROWS,), tl.float32)
     big_acc = tl.zeros((ROWS, W), tl.float32)
     if STAGES > 0:
         for split in tl.range(0, max_pos // SPLIT + 1, num_stages=STAGES):
             m, l, acc = _load_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0 + split * ROWS,
-                                       True, ROWS, W, CACHE)
+                                       ROWS, W, CACHE)
             big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc,
                                            split * SPLIT <= row_pos)
-    elif AHEAD:
-        n = max_pos // SPLIT + 1
-        m, l, acc = _load_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0, True, ROWS, W,
-                                   CACHE)
-        for split in range(0, n):
-            m_next, l_next, acc_next = _load_partials(part_m_ptr, part_l_ptr, part_acc_ptr,
-                                                      base0 + (split + 1) * ROWS, split + 1 < n,
-                                                      ROWS, W, CACHE)
-            big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc,
-                                           split * SPLIT <= row_pos)
-            m, l, acc = m_next, l_next, acc_next
-    else:  # today's loop as it was, not through _load_partials: its PTX stays the same
+    else:
         for split in range(0, max_pos // SPLIT + 1):
-            base = base0 + split * ROWS
-            m = tl.load(part_m_ptr + base + rows, cache_modifier=CACHE)
-            l = tl.load(part_l_ptr + base + rows, cache_modifier=CACHE)
-            acc = tl.load(part_acc_ptr + (base + rows)[:, None] * W + w[None, :],
-                          cache_modifier=CACHE)
+            m, l, acc = _load_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0 + split * ROWS,
+                                       ROWS, W, CACHE)
             big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc,
                                            split * SPLIT <= row_pos)
     return big_l, big_acc
@@ -315,7 +296,7 @@ def attention_split_kernel(
             if last_to_arrive(sem_ptr + tile * HKV + h, max_pos // SPLIT + 1):
                 big_l, big_acc = _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0,
                                                  max_pos, row_pos, ROWS, D, SPLIT, ".cg",
-                                                 PAGES > 0, MERGE_STAGES)
+                                                 MERGE_STAGES)
                 _store_out(out_ptr, big_l, big_acc, g, ok, tok, h, HQ, G, D)
 
 

@@ -186,5 +186,5 @@ def mla_combine_kernel(
         head, ok, tok, row_pos = _tile_rows(pos_ptr, t0, n_tok, hb, H, BH, TPP)
         big_l, big_acc = _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr,
                                          _part_base(tile, hb, vb, 0, HB, VB, NSPLIT, ROWS),
-                                         max_pos, row_pos, ROWS, BV, SPLIT, "", False, 0)
+                                         max_pos, row_pos, ROWS, BV, SPLIT, "", 0)
         _store_out(out_ptr, big_l, big_acc, head, ok, tok, vb * BV, H, R, BV)

@@ -64,14 +64,15 @@ KV_TILES = (BLOCK_N, DEFAULT_KV_TILE)
 # does not; cause not found: gpu_run.sh pages_crash).
 PAGES_ENV, PAGES_STAGES, PAGES_MAXNREG = "JENGINE_ATTENTION_PAGES", 3, 128
 PAGES_FORMS = ("planned", "tile", "split")
-# The split launch's merge (its last program per tile folds the stored splits in a chain of
-# loads) on MERGE_STAGES stages of Triton's pipeliner: MERGE_STAGES - 1 splits' states in flight
-# ahead of the fold where the hand-written load ahead kept one (MERGE_STAGES = 0 gives that loop
-# back). Never the bits: the same values folded in the same order (_merge_partials; H100 goldens
-# unchanged, twenty-ninth session). sm_90 ptxas: 160 registers on 64-position tiles (152 before),
-# no spills. H100, pipelined ms, 4 / 0 / 4 (gpu_run.sh merge_stages_ab): 16 x 8k (33 splits to
-# fold) rl-bitwise 13.44 / 13.63 / 13.42, auto 13.24 / 13.45 / 13.21; bs 1 x 1024 (4 splits)
-# rl-bitwise 7.01 / 7.05 / 6.99, auto 6.80 / 6.75 / 6.75 (within the runs' spread).
+# The split launch's merge (its last program per tile folds the stored splits in a chain of loads)
+# on MERGE_STAGES stages of Triton's pipeliner: MERGE_STAGES - 1 splits' states in flight ahead of
+# the fold where a hand-written load ahead kept one (removed since; MERGE_STAGES = 0 is the plain
+# loop, one load at a time). Never the bits: the same values folded in the same order
+# (_merge_partials; H100 goldens unchanged, twenty-ninth session). sm_90 ptxas: 160 registers on
+# 64-position tiles (152 before), no spills. H100, pipelined ms, 4 / 0 / 4 (gpu_run.sh
+# merge_stages_ab): 16 x 8k (33 splits to fold) rl-bitwise 13.44 / 13.63 / 13.42, auto 13.24 /
+# 13.45 / 13.21; bs 1 x 1024 (4 splits) rl-bitwise 7.01 / 7.05 / 6.99, auto 6.80 / 6.75 / 6.75
+# (within the runs' spread).
 MERGE_STAGES = 4
 # triton_wide_prefill (auto only): query rows per program on steps of >= WIDE_MIN_TOKENS rows. At
 # 256 decode rows the wide tile measured 2x slower (630 vs 306 us per layer: one token per tile).

@@ -41,7 +41,8 @@
 #                  one (JENGINE_TRITON_CALL=ffi: the step one CUDA graph)
 #   gemm_decode_tiles2  timings only, per shape, of launch shapes around the table's by_m picks
 #   merge_stages_ab  both modes' bs 1 and 16 x 8k rows with the split launch's merge pipelined
-#                  by Triton (MERGE_STAGES 4), with the load ahead by hand (0), with 4 again
+#                  by Triton (MERGE_STAGES 4), without (0: the plain loop; the 2026-12-06 run's 0
+#                  was the hand-written load ahead, removed since), with 4 again
 #   auto_gemm_plan_ab  auto's decode rows (bs 1 / 64 / 256) with rl-bitwise's Triton GEMM leaves planned
 #                  instead of XLA's dots (gpu_plan_ab.py --without), between two planned runs
 #   attention_split_auto  today's split launch at SPLIT 64 / 128 / 256, page ids per split (auto's
@@ -444,7 +445,7 @@ for s in "$@"; do
       m=$([ "$s" = kvtile_ab_rl ] && echo rl-bitwise || echo auto)
       JENGINE_ATTENTION_KV_TILE=32 step "model_${m}_kv32" 200 python3 -m jengine.cli bench --parts model --numerics "$m" --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_${m}_kv32"
       JENGINE_ATTENTION_KV_TILE=64 step "model_${m}_kv64" 200 python3 -m jengine.cli bench --parts model --numerics "$m" --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_${m}_kv64" ;;
-    merge_stages_ab)  # the split launch's merge on Triton's pipeliner (MERGE_STAGES 4) against the hand-written load ahead (0): both modes' split-schedule rows (bs 1, 16 x 8k), 4 / 0 / 4
+    merge_stages_ab)  # the split launch's merge on Triton's pipeliner (MERGE_STAGES 4) against the plain loop (0; the hand-written load ahead when it ran): both modes' split-schedule rows (bs 1, 16 x 8k), 4 / 0 / 4
       for m in rl-bitwise auto; do
         for ms in 4 0 4b; do
           with_plan_edit "s/^MERGE_STAGES = .*/MERGE_STAGES = ${ms%b}  # gpu_run.sh edit/" \

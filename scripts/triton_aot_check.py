@@ -175,6 +175,14 @@ def _launch_options(c: dict, options: dict | None = None) -> tuple:
     return o["num_warps"], o["num_stages"], o["enable_fp_fusion"], o.get("maxnreg")
 
 
+def split_consts(c: dict) -> dict:
+    """c with the split kernel's own constexprs: 8 splits' partials, the planned merge stages (the
+    engine's launches add the same two: pallas_kernels/triton_attention.py)."""
+    from pallas_kernels import triton_attention_plan as tap
+
+    return dict(c, NSPLIT=8, MERGE_STAGES=tap.MERGE_STAGES)
+
+
 def attention_kernels():
     """(label, fn, args, consts, (warps, stages, fp_fusion[, maxnreg])) of the attention leaf's two
     kernels and the rope_write leaf's, for the Llama-3-8B heads (32 q / 8 kv, D 128) and the tiny
@@ -202,7 +210,7 @@ def attention_kernels():
             parts = {"sem_in_ptr": "*i32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
                      "part_acc_ptr": "*fp32", "out_ptr": f"*{dtype}", "sem_ptr": "*i32"}
             yield (label + " split", K.attention_split_kernel, dict(inputs, **parts),
-                   dict(c, NSPLIT=8, MERGE_STAGES=tap.MERGE_STAGES), launch)
+                   split_consts(c), launch)
             # the page ids per split (16-position pages) as the leaf's "planned" form launches
             # them (stages, register bound: triton_attention_plan.paged): every launch the leaf
             # makes, labelled as the page-ids-per-tile launch + " pages" (--same-float-ops pairs
@@ -215,7 +223,7 @@ def attention_kernels():
             if wide is not c:
                 yield (wide_label + " pages", K.attention_serial_kernel,
                        dict(inputs, out_ptr=f"*{dtype}"), *planned(wide, "serial"))
-            pc, options = planned(dict(c, NSPLIT=8, MERGE_STAGES=tap.MERGE_STAGES), "split")
+            pc, options = planned(split_consts(c), "split")
             yield (label + " split pages", K.attention_split_kernel, dict(inputs, **parts),
                    pc, options)
             if hq == 32:  # the layout-free row sums (JENGINE_ATTENTION_ROWSUM=tree / dot, gpu_run.sh
@@ -229,8 +237,7 @@ def attention_kernels():
                                K.attention_serial_kernel, dict(inputs, out_ptr=f"*{dtype}"),
                                dict(alt, TPP=tpp), (warps, tap.NUM_STAGES, False))
                     yield (label + f" split {form}", K.attention_split_kernel,
-                           dict(inputs, **parts),
-                           dict(alt, NSPLIT=8, MERGE_STAGES=tap.MERGE_STAGES), launch)
+                           dict(inputs, **parts), split_consts(alt), launch)
             if (hq, dtype) == (32, "bf16"):  # JENGINE_ATTENTION_KV_TILE=64 (gpu_run.sh
                 # kvtile_ab_*): every launch it plans, on the dot sum, as the plan launches them
                 kv = dict(c, BLOCK_N=64, ROWSUM=tap.ROWSUM_FORMS["dot"])
@@ -238,8 +245,7 @@ def attention_kernels():
                         ("serial", K.attention_serial_kernel, "serial", kv, {"out_ptr": "*bf16"}),
                         (f"serial wide TPP={tap.WIDE_ROWS // kv['GP']}", K.attention_serial_kernel,
                          "serial", dict(kv, TPP=tap.WIDE_ROWS // kv["GP"]), {"out_ptr": "*bf16"}),
-                        ("split", K.attention_split_kernel, "split",
-                         dict(kv, NSPLIT=8, MERGE_STAGES=tap.MERGE_STAGES), parts)):
+                        ("split", K.attention_split_kernel, "split", split_consts(kv), parts)):
                     yield (label + f" kv64 {name}", fn, dict(inputs, **out),
                            *planned(consts, schedule))
             rope = {**{p: f"*{dtype}" for p in ("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr")},

@@ -36,6 +36,13 @@ def _script(args, cache_dir, code=None, timeout=600):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
+def _per_attention_launch(body: str) -> str:
+    """`code` for _script: `body` (lines indented four spaces) run for each (label, fn, args,
+    consts, opts) of triton_aot_check.attention_kernels(), the module imported as `c`."""
+    return ("import sys; sys.path.insert(0, sys.argv[1]); import triton_aot_check as c\n"
+            "for label, fn, args, consts, opts in c.attention_kernels():\n" + body)
+
+
 def test_every_tuned_gemm_and_attention_launch_compiles_for_sm90(tmp_path):
     proc = _script([], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -67,11 +74,10 @@ def test_the_planned_register_bound_reaches_the_ptx(tmp_path):
     """The leaf's planned page ids bound the narrow serial launch's registers (PAGES_MAXNREG):
     that launch's sm_90 PTX carries the .maxnreg directive, the page-ids-per-tile launch and the
     split schedule's do not (the control)."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import triton_aot_check as c\n"
-            "for label, fn, args, consts, opts in c.attention_kernels():\n"
-            "    if label.startswith('attention hq=32 hkv=8 D=128 bf16 s') and 'dot' not in label:\n"
-            "        ptx = c._compile(fn, args, consts, *opts).asm['ptx']\n"
-            "        print(label, '|', [l.strip() for l in ptx.splitlines() if '.maxnreg' in l])\n")
+    code = _per_attention_launch(
+        "    if label.startswith('attention hq=32 hkv=8 D=128 bf16 s') and 'dot' not in label:\n"
+        "        ptx = c._compile(fn, args, consts, *opts).asm['ptx']\n"
+        "        print(label, '|', [l.strip() for l in ptx.splitlines() if '.maxnreg' in l])\n")
     proc = _script([], tmp_path, code=code)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     bounds = dict(line.split(" | ") for line in proc.stdout.splitlines())
@@ -83,13 +89,12 @@ def test_the_planned_register_bound_reaches_the_ptx(tmp_path):
 def test_the_planned_merge_stages_pipeline_the_split_merge(tmp_path):
     """MERGE_STAGES reaches the split launch: on the planned stages Triton's pipeliner turns the
     merge loop's loads of the stored splits into async copies (sm_90 TTGIR), which the same
-    launch at MERGE_STAGES 0 (the control: the hand-written load ahead) does not have."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import triton_aot_check as c\n"
-            "for label, fn, args, consts, opts in c.attention_kernels():\n"
-            "    if label == 'attention hq=32 hkv=8 D=128 bf16 kv64 split':\n"
-            "        for stages in (consts['MERGE_STAGES'], 0):\n"
-            "            ir = c._compile(fn, args, dict(consts, MERGE_STAGES=stages), *opts)\n"
-            "            print(stages, ir.asm['ttgir'].count('ttg.async_copy_global_to_local'))\n")
+    launch at MERGE_STAGES 0 (the control: the plain loop) does not have."""
+    code = _per_attention_launch(
+        "    if label == 'attention hq=32 hkv=8 D=128 bf16 kv64 split':\n"
+        "        for stages in (consts['MERGE_STAGES'], 0):\n"
+        "            ir = c._compile(fn, args, dict(consts, MERGE_STAGES=stages), *opts)\n"
+        "            print(stages, ir.asm['ttgir'].count('ttg.async_copy_global_to_local'))\n")
     proc = _script([], tmp_path, code=code)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (planned, copies), (_, before) = (map(int, line.split()) for line in proc.stdout.splitlines())
