@@ -1,10 +1,11 @@
-"""The @triton.jit sources of two experiments (issue #19) that run a projection and what follows
-it in one launch: o_proj / down_proj with the layer boundary's add + norm
-(pallas_kernels/triton_gemm_add_norm.py) and gate/up with SwiGLU's activation
-(pallas_kernels/triton_gemm_swiglu.py). Each is the GEMM's own tile body (_triton_gemm_kernels.py)
-followed by the standalone kernel's operations (_triton_kernels.py) on the same values, so each
-output has the bits of the launches it would replace. A model runs them only on request
-(JENGINE_GEMM_EPILOGUES; pallas_kernels/gemm_epilogues.py).
+"""The @triton.jit sources of three experiments (issue #19) that run a projection and a
+neighbouring elementwise step in one launch: o_proj / down_proj with the layer boundary's add +
+norm after it (pallas_kernels/triton_gemm_add_norm.py), gate/up with SwiGLU's activation after it
+(pallas_kernels/triton_gemm_swiglu.py), and down_proj with that activation before it, in the
+loads of its A (scripts/gpu_silu_down.py; wired into no leaf). Each is the GEMM's own tile body
+(_triton_gemm_kernels.py) with the standalone kernel's operations (_triton_kernels.py) on the same
+values, so each output has the bits of the launches it would replace. A model runs the first two
+only on request (JENGINE_GEMM_EPILOGUES; pallas_kernels/gemm_epilogues.py).
 """
 
 from __future__ import annotations
@@ -91,3 +92,77 @@ def gemm_swiglu_kernel(
         up = tl.where(is_up, mine, other)
         act = times_rounded(silu_rounded(gate, out_ty), up, out_ty)
         tl.store(out_ptr + tile, act, mask=row_ok & col_ok)
+
+
+@triton.jit
+def _silu_rows_chunk(g_ptr, u_ptr, w_ptr, M, offs_n, col_ok, k_lo,
+                     N: tl.constexpr, K: tl.constexpr, KC: tl.constexpr, RB: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_N: tl.constexpr):
+    """_gemm_chunk with A made, not loaded: silu_kernel's operations (silu_rounded, then
+    times_rounded) on RB rows of gate and up, row r placed at MMA row r * (BM // RB) and the other
+    MMA rows zero. Only the real rows (RB >= M) are computed: every column tile's program
+    recomputes its chunk's activation, so a full BM-row A would cost BM / RB times the SiLUs.
+    Rows never meet in the MMA, so which MMA row a row occupies cannot move its bits."""
+    R: tl.constexpr = BM // RB
+    offs_k = tl.arange(0, BK)
+    rs = tl.arange(0, RB)
+    ok = rs[:, None] < M
+    g_ptrs = g_ptr + rs[:, None] * K + (k_lo + offs_k)[None, :]
+    u_ptrs = u_ptr + rs[:, None] * K + (k_lo + offs_k)[None, :]
+    w_ptrs = w_ptr + (k_lo + offs_k)[:, None] * N + offs_n[None, :]
+    keep = (tl.arange(0, BM) % R == 0)[:, None]
+    out_ty: tl.constexpr = g_ptr.dtype.element_ty
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, KC, BK):  # KC % BK == 0 (the launcher checks): no K mask
+        g = tl.load(g_ptrs, mask=ok, other=0.0)
+        u = tl.load(u_ptrs, mask=ok, other=0.0)
+        act = times_rounded(silu_rounded(g, out_ty), u, out_ty)
+        if R == 1:
+            a = act
+        else:
+            a = tl.reshape(tl.broadcast_to(act[:, None, :], (RB, R, BK)), (BM, BK))
+            a = tl.where(keep, a, tl.zeros_like(a))
+        if EVEN_N:
+            b = tl.load(w_ptrs)
+        else:
+            b = tl.load(w_ptrs, mask=col_ok, other=0.0)
+        acc = tl.dot(a, b, acc)
+        g_ptrs += BK
+        u_ptrs += BK
+        w_ptrs += BK * N
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def silu_gemm_rows_kernel(
+    g_ptr, u_ptr, w_ptr, M, sem_in_ptr, part_ptr, out_ptr, sem_ptr,
+    N: tl.constexpr, K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KSPLIT: tl.constexpr,
+    RB: tl.constexpr,
+):
+    """out = (silu(gate) * up) @ w for M <= RB <= BM rows (one row tile): the SiLU launch and the
+    fused-reduce GEMM launch after it (fixed_tile_gemm_fused_kernel) in one. Grid (column tiles,
+    KSPLIT); each program makes its chunk of A itself (_silu_rows_chunk), stores its f32 partial
+    and the last of a tile's KSPLIT programs adds them in order and rounds once, as
+    _gemm_tile's FUSED branch does. sem_ptr: one counter per column tile."""
+    R: tl.constexpr = BM // RB
+    pid_n = tl.program_id(0)
+    chunk = tl.program_id(1)
+    EVEN_N: tl.constexpr = N % BN == 0
+    rm = tl.arange(0, BM)
+    row = rm // R
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    col_ok = offs_n[None, :] < N
+    ok = ((rm % R == 0) & (row < M))[:, None] & col_ok
+    KC: tl.constexpr = K // KSPLIT
+    acc = _silu_rows_chunk(g_ptr, u_ptr, w_ptr, M, offs_n, col_ok, chunk * KC, N, K, KC, RB,
+                           BM, BN, BK, EVEN_N)
+    in_tile = row[:, None] * N + offs_n[None, :]
+    tl.store(part_ptr + chunk.to(tl.int64) * M * N + in_tile, acc, mask=ok)
+    if last_to_arrive(sem_ptr + pid_n, KSPLIT):
+        chunk_elems = tl.cast(M, tl.int64) * N
+        total = tl.load(part_ptr + in_tile, mask=ok, other=0.0, cache_modifier=".cg")
+        for c in tl.static_range(1, KSPLIT):
+            total = total + tl.load(part_ptr + c * chunk_elems + in_tile, mask=ok, other=0.0,
+                                    cache_modifier=".cg")
+        tl.store(out_ptr + in_tile, total.to(out_ptr.dtype.element_ty), mask=ok)

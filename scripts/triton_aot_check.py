@@ -142,6 +142,19 @@ def gemm_kernels():
             yield (f"N=14336 K=4096 {tile.describe()} swiglu" + (" flat-k" if flat else ""),
                    E.gemm_swiglu_kernel, args, consts, tile)
 
+    # down_proj with SwiGLU's activation made in its A loads (scripts/gpu_silu_down.py, an
+    # experiment): the decode tiles with a fused reduce, A of RB real rows up to all BM
+    down = {tile for (n, k), members, tile in launches
+            if members == [4096] and k == 14336 and tile.fused_reduce}
+    for tile in sorted(down, key=lambda t: t.describe()):
+        for rb in sorted({1, 2, 4, 16, tile.block_m}):
+            args = dict(g_ptr="*bf16", u_ptr="*bf16", w_ptr="*bf16", M="i32", sem_in_ptr="*i32",
+                        part_ptr="*fp32", out_ptr="*bf16", sem_ptr="*i32")
+            consts = dict(N=4096, K=14336, BM=tile.block_m, BN=tile.block_n, BK=tile.block_k,
+                          KSPLIT=tile.k_split, RB=rb)
+            yield (f"N=4096 K=14336 {tile.describe()} silu + gemm RB={rb}",
+                   E.silu_gemm_rows_kernel, args, consts, tile)
+
 
 def norm_kernels():
     """The layer boundary (one row per program, and each rows-per-program launch triton_norm plans)
