@@ -14,7 +14,9 @@ its own ``gemm`` call by the leaf of the same impl name, so a model may group it
 the trainer keeps them separate. Each gemm leaf has a grouped leaf with the same name, formats,
 hardware, priority, traits and features: one request plans corresponding leaves of both families.
 The portable grouped leaves make one gemm call per member; the Triton one (triton_gemm.py) makes one
-launch for the whole group.
+launch for the whole group. One pair makes no bit claim, as --numerics auto asks none:
+``xla_gate_up_triton`` (triton_gemm.py, GPUs only, planned by auto above ``xla_native``) is XLA's
+dot, except that the MLP's gate/up at decode rows runs the Triton grouped launch.
 """
 
 from __future__ import annotations

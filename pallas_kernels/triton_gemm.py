@@ -41,9 +41,9 @@ import jax.numpy as jnp
 from pallas_kernels._triton_launch import (INVARIANT, Counters, cdiv, contiguous, dtype_name,
                                            jax_launch, require_cuda_tensors, torch_dtype,
                                            torch_launch, triton_available)
-from pallas_kernels.gemm import FORMATS
+from pallas_kernels.gemm import FORMATS, XLA_NATIVE, gemm_group_xla_native, gemm_xla_native
 from pallas_kernels.registry import Priority, register
-from pallas_kernels.triton_gemm_tiles import GemmTile, tile_for
+from pallas_kernels.triton_gemm_tiles import TILES, GemmTile, tile_for
 
 # Below this many output tiles a step runs the split schedule (when the tile has k_split > 1).
 SPLIT_BELOW_TILES = 128
@@ -304,3 +304,32 @@ if triton_available():
     for family_name, fn in (("gemm", gemm_triton), ("gemm_group", gemm_group_triton)):
         register("linear", family_name, "triton_fixed_tile", formats=FORMATS, hardware={"gpu"},
                  priority=Priority.TUNED, **INVARIANT)(fn)
+
+
+# -- auto: XLA's dots, the MLP's gate/up at decode rows on the grouped launch ----------------------
+# Measured on the H100 (docs/performance.md, thirtieth session; auto's pipelined decode ms, XLA's
+# leaves / gate/up on the grouped launch at <= 256 rows / XLA's again): bs 1 6.79 / 6.70 / 6.72,
+# bs 64 10.62 / 10.16 / 10.52, bs 256 20.89 / 21.65 / 20.94. XLA runs gate and up as two dots; the
+# grouped launch reads both in one. q/k/v stays on XLA's merged dot (RoPE reads its one output,
+# pallas_kernels/triton_rope_write.py), and with it on the grouped launch too bs 1 lost 0.04 ms.
+AUTO_GATE_UP_MAX_M = 64
+
+
+def gemm_group_auto(x, ws, biases=None, *, out_dtype):
+    """A two-member group without biases (gate/up) of at most AUTO_GATE_UP_MAX_M rows whose
+    members have a tuned tile: the grouped Triton launch; every other group: XLA's dot per member.
+    For --numerics auto only (no batch_invariant feature): its members do not have the bits of
+    this impl's gemm (XLA's dot), which no contract of auto's asks for."""
+    m, k = x.shape
+    tuned = TILES.tuned()
+    if (len(ws) == 2 and biases is None and m <= AUTO_GATE_UP_MAX_M
+            and all((w.shape[1], k, dtype_name(x.dtype)) in tuned for w in ws)):
+        return gemm_group_triton(x, ws, None, out_dtype=out_dtype)
+    return gemm_group_xla_native(x, ws, biases, out_dtype=out_dtype)
+
+
+if triton_available():
+    # Above xla_native, on GPUs only; the gemm of the pair is XLA's dot itself.
+    AUTO = dict(XLA_NATIVE, hardware={"gpu"}, priority=XLA_NATIVE["priority"] + 1)
+    register("linear", "gemm", "xla_gate_up_triton", **AUTO)(gemm_xla_native)
+    register("linear", "gemm_group", "xla_gate_up_triton", **AUTO)(gemm_group_auto)

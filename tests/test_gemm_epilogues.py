@@ -20,7 +20,7 @@ from pallas_kernels import gemm_epilogues
 from pallas_kernels.gemm import gemm_fixed_order
 from pallas_kernels.registry import REGISTRY, Priority
 from pallas_kernels.rmsnorm import add_rmsnorm
-from tests.triton_interpreter import registered_as_on_a_gpu
+from tests.triton_interpreter import registered_as_on_a_gpu, triton_gemm_leaves
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -95,9 +95,7 @@ def triton_gemm_and_epilogues_on_a_gpu(monkeypatch):
     from pallas_kernels import (triton_activation, triton_gemm, triton_gemm_add_norm,
                                 triton_gemm_swiglu)
 
-    gens = [registered_as_on_a_gpu(monkeypatch, triton_gemm,
-                                   [("linear", "gemm", "triton_fixed_tile"),
-                                    ("linear", "gemm_group", "triton_fixed_tile")]),
+    gens = [registered_as_on_a_gpu(monkeypatch, triton_gemm, triton_gemm_leaves()),
             registered_as_on_a_gpu(monkeypatch, triton_activation,
                                    [("activation", "silu", "triton_elementwise")]),
             registered_as_on_a_gpu(monkeypatch, triton_gemm_add_norm,

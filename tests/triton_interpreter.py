@@ -76,6 +76,12 @@ def registered_as_on_a_gpu(monkeypatch, module, leaves):
     importlib.reload(module)
 
 
+def triton_gemm_leaves():
+    """The (family, name, impl) leaves pallas_kernels/triton_gemm.py registers on a GPU."""
+    return [(family, name, impl) for family, name in (("linear", "gemm"), ("linear", "gemm_group"))
+            for impl in ("triton_fixed_tile", "xla_gate_up_triton")]
+
+
 def run_smoke(script: str, out_dir, name: str) -> list:
     """Run scripts/<script> --smoke (its bits part under this interpreter, in a subprocess: the
     interpreter is chosen before any kernel source is imported) and return the rows of the
