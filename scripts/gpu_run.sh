@@ -37,12 +37,18 @@
 #                  experiment): bits vs the grouped GEMM + SiLU and JAX vs torch, µs per layer at
 #                  M = 1..4096 for three launch shapes (the one-program form ran in the eighteenth
 #                  session; the pair form not yet)
+#   silu_down      scripts/gpu_silu_down.py: down_proj with SwiGLU's activation made in the loads
+#                  of its A (an experiment): bits vs the SiLU launch + down_proj, µs per layer
+#   engine_ffi_ab_rl  rl-bitwise's Engine workload (overlap on and off, loop overhead) with the
+#                  legacy custom call, then the FFI one
 #   triton_call_ab_rl  rl-bitwise decode rows with jax-triton's legacy custom call, then the FFI
 #                  one (JENGINE_TRITON_CALL=ffi: the step one CUDA graph)
 #   gemm_decode_tiles2  timings only, per shape, of launch shapes around the table's by_m picks
 #   merge_stages_ab  both modes' bs 1 and 16 x 8k rows with the split launch's merge pipelined
 #                  by Triton (MERGE_STAGES 4), without (0: the plain loop; the 2026-12-06 run's 0
 #                  was the hand-written load ahead, removed since), with 4 again
+#   auto_gate_up_ab  auto's decode rows (bs 1 / 16 / 64 / 256) as planned (xla_gate_up_triton: gate/up
+#                  at <= 64 rows on the Triton grouped launch) and with XLA's dots only (xla_native)
 #   auto_gemm_plan_ab  auto's decode rows (bs 1 / 64 / 256) with rl-bitwise's Triton GEMM leaves planned
 #                  instead of XLA's dots (gpu_plan_ab.py --without), between two planned runs
 #   attention_split_auto  today's split launch at SPLIT 64 / 128 / 256, page ids per split (auto's
@@ -306,6 +312,11 @@ for s in "$@"; do
       step model_auto_triton_group 150 python3 scripts/gpu_plan_ab.py --without linear.gemm_group.xla_native --out "$out/model_auto_triton_group.json" -- $a
       step model_auto_triton_gemms 150 python3 scripts/gpu_plan_ab.py --without linear.gemm_group.xla_native linear.gemm.xla_native --out "$out/model_auto_triton_gemms.json" -- $a
       step model_auto_planned2 150 python3 -m jengine.cli bench --parts model $a --part-timeout 140 --out "$out/model_auto_planned2" ;;
+    auto_gate_up_ab)  # auto's decode rows with its plan (gate/up at <= 64 rows on the Triton grouped launch), with XLA's dots only, with its plan again
+      a="--numerics auto --iters 20 --batch-sizes 1 16 64 256 --long-context 0 --prefill-tokens 0"
+      step model_auto_planned 150 python3 -m jengine.cli bench --parts model $a --part-timeout 140 --out "$out/model_auto_planned"
+      step model_auto_xla 150 python3 scripts/gpu_plan_ab.py --without linear.gemm.xla_gate_up_triton linear.gemm_group.xla_gate_up_triton --out "$out/model_auto_xla.json" -- $a
+      step model_auto_planned2 150 python3 -m jengine.cli bench --parts model $a --part-timeout 140 --out "$out/model_auto_planned2" ;;
     auto_leaves_ab)  # auto's model rows as planned (RoPE + KV write reading q/k/v's merged GEMM output), then without it
       step model_auto_planned 200 python3 -m jengine.cli bench --parts model --numerics auto --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_auto_planned"
       step model_auto_rope_3buf 200 python3 scripts/gpu_plan_ab.py --without attention.rope_write.triton_fused_qkv --out "$out/model_auto_rope_3buf.json" -- --numerics auto --iters 20 --batch-sizes 1 64 256 --long-context 0 ;;
@@ -313,6 +324,9 @@ for s in "$@"; do
     triton_call_ab)
       JENGINE_TRITON_CALL=legacy step model_triton_legacy 240 python3 -m jengine.cli bench --parts model --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 115 --out "$out/model_triton_legacy"
       JENGINE_TRITON_CALL=ffi step model_triton_ffi 240 python3 -m jengine.cli bench --parts model --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 115 --out "$out/model_triton_ffi" ;;
+    engine_ffi_ab_rl)  # rl-bitwise's Engine workload with jax-triton's legacy custom call, then the FFI one (the step one CUDA graph)
+      JENGINE_TRITON_CALL=legacy step bench_engine_rl_legacy 280 python3 -m jengine.cli bench --parts engine --numerics rl-bitwise --part-timeout 270 --out "$out/bench_engine_rl_legacy"
+      JENGINE_TRITON_CALL=ffi step bench_engine_rl_ffi 280 python3 -m jengine.cli bench --parts engine --numerics rl-bitwise --part-timeout 270 --out "$out/bench_engine_rl_ffi" ;;
     triton_call_ab_rl)  # triton_call_ab for rl-bitwise alone, 20 iterations
       JENGINE_TRITON_CALL=legacy step model_rl_triton_legacy 150 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 140 --out "$out/model_rl_triton_legacy"
       JENGINE_TRITON_CALL=ffi step model_rl_triton_ffi 150 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 140 --out "$out/model_rl_triton_ffi" ;;
@@ -339,6 +353,8 @@ for s in "$@"; do
       step gemm_persistent 420 python3 scripts/gpu_gemm_persistent.py --budget-s 380 --out "$out/gemm_persistent" ;;
     gemm_add_norm)  # an experiment: the layer boundary inside o_proj / down_proj's launch (bits, µs per layer)
       step gemm_add_norm 240 python3 scripts/gpu_gemm_add_norm.py --out "$out/gemm_add_norm" ;;
+    silu_down)  # an experiment: down_proj with SwiGLU's activation made in its A loads (bits, µs per layer at M = 1..64)
+      step silu_down 240 python3 scripts/gpu_silu_down.py --out "$out/silu_down" ;;
     gemm_swiglu)  # an experiment: SwiGLU's activation inside the gate/up launch (bits, µs per layer)
       step gemm_swiglu 300 python3 scripts/gpu_gemm_swiglu.py --out "$out/gemm_swiglu" ;;
     gemm_decode_tiles_big_m)  # the by_m picks vs the entry's tile at M = 64 / 128 / 256 (timings)
