@@ -39,6 +39,10 @@
 #                  session; the pair form not yet)
 #   silu_down      scripts/gpu_silu_down.py: down_proj with SwiGLU's activation made in the loads
 #                  of its A (an experiment): bits vs the SiLU launch + down_proj, µs per layer
+#   gemm_prefill_warps  the wide prefill tile on 8 warps (today's, which spills) and on 16: bits, ms
+#   gemm_prefill_members  the grouped prefill launches against their members alone, 4096 rows (µs)
+#   group_members  scripts/gpu_group_members.py: a group's one launch against its members alone on
+#                  the same tile, by M: bits, µs (the prefill ratio's lead; not run yet)
 #   engine_ffi_ab_rl  rl-bitwise's Engine workload (overlap on and off, loop overhead) with the
 #                  legacy custom call, then the FFI one
 #   triton_call_ab_rl  rl-bitwise decode rows with jax-triton's legacy custom call, then the FFI
@@ -330,6 +334,12 @@ for s in "$@"; do
     triton_call_ab_rl)  # triton_call_ab for rl-bitwise alone, 20 iterations
       JENGINE_TRITON_CALL=legacy step model_rl_triton_legacy 150 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 140 --out "$out/model_rl_triton_legacy"
       JENGINE_TRITON_CALL=ffi step model_rl_triton_ffi 150 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 140 --out "$out/model_rl_triton_ffi" ;;
+    gemm_prefill_warps)  # the wide prefill tile (128 x 256, flat-K) on 8 warps (today: 255 registers, ~37 spilled) against 16 (128 a thread): bits at 1024 rows, ms at 4096
+      step gemm_prefill_warps 330 python3 scripts/gpu_gemm_decode_tiles.py --budget-s 300 --iters 5 --bits-rows 1024 --time-rows 4096 --xla --shapes q/o_proj "qkv group" down_proj --candidates 128,256,8,3,serial 128,256,16,3,serial 128,256,16,4,serial --out "$out/gemm_prefill_warps" ;;
+    group_members)  # the q/k/v group's one launch against its members alone on the same tile: bits (f32), µs at 512..4096 rows (not run yet)
+      step group_members 150 python3 scripts/gpu_group_members.py --groups q/k/v --rows 512 1024 2048 4096 --out "$out/group_members" ;;
+    gemm_prefill_members)  # timings only, 4096 rows: the grouped q/k/v and gate/up launches against their members launched alone (the same bits by construction), and XLA's dot
+      step gemm_prefill_members 200 python3 scripts/gpu_gemm_decode_tiles.py --skip-bits --budget-s 170 --iters 5 --time-rows 4096 --xla --shapes q/o_proj k/v_proj gate/up_proj "qkv group" "gate_up group" --candidates 128,256,8,3,serial --out "$out/gemm_prefill_members" ;;
     gemm_prefill_tiles)  # timings only: launch shapes on the entries' K chunks at prefill M, and XLA's dot
       step gemm_prefill_tiles 330 python3 scripts/gpu_gemm_decode_tiles.py --skip-bits --budget-s 300 --iters 5 --time-rows 1024 4096 --xla --shapes q/o_proj "qkv group" "gate_up group" down_proj --candidates 128,128,8,4,split 128,128,8,4,fused 128,256,8,3,split 128,256,8,3,fused 256,128,8,3,split 128,128,8,4,serial 64,128,4,4,serial 128,256,8,3,serial 64,256,4,3,serial --out "$out/gemm_prefill_tiles" ;;
     cmdbuf_modes) step cmdbuf_modes 400 bash scripts/gpu_cmdbuf_modes.sh "$out/cmdbuf_modes" ;;
