@@ -312,7 +312,9 @@ def _rotate(ptr, base, heads, ok, c, s, d, D: tl.constexpr):
     rows = base + heads[:, None] * D
     x = tl.load(ptr + rows + d[None, :], mask=ok[:, None], other=0.0)
     xr = tl.load(ptr + rows + partner[None, :], mask=ok[:, None], other=0.0)
-    xr = tl.where(d[None, :] < HALF, -xr, xr)  # rotate_half: an exact negation
+    # rotate_half's negation, exact: Triton's unary minus is 0 - x, which makes +0 of +0 where
+    # torch's and XLA's negation make -0 (and so a sum's zero sign could differ from theirs).
+    xr = tl.where(d[None, :] < HALF, xr * -1.0, xr)
     ty: tl.constexpr = ptr.dtype.element_ty
     a = (x.to(tl.float32) * c[None, :]).to(ty)
     b = (xr.to(tl.float32) * s[None, :]).to(ty)

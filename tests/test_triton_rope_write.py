@@ -113,3 +113,22 @@ def test_auto_plans_the_merged_read_and_rl_bitwise_never_does(registered):
 
     assert plan(frozenset()) == "triton_fused_qkv"  # --numerics auto
     assert plan(frozenset({"batch_invariant"})) == "triton_fused"  # rl-bitwise
+
+
+def test_rotate_halfs_negation_keeps_the_sign_of_zero(case):
+    """A row whose first half is -0.0 and second half +0.0: rotate_half negates +0.0 to -0.0 (torch
+    and XLA do), so x * cos + rotate_half(x) * sin is -0.0 there. Triton's unary minus is 0 - x,
+    which gives +0.0: the control, the same sum with 0 - x, differs."""
+    q, k, v, cos, sin, page, slot, pool = case
+    q = q.copy()
+    q[0, 0, D // 2:] = 0.0
+    q[0, 0, :D // 2] = -0.0
+    cos, sin = np.full_like(cos, 0.5), np.full_like(sin, 0.25)
+    out, _, _ = _run((q, k, v, cos, sin, page, slot, pool))
+    want = _rotate(q, cos, sin)
+    assert np.signbit(want[0, 0, :D // 2]).all()
+    assert count_bit_differences(out, want) == 0
+    half = D // 2
+    sub_zero = np.concatenate([np.float32(0.0) - q[..., half:], q[..., :half]], axis=-1)
+    control = (q * cos[:, None, :]).astype(np.float32) + (sub_zero * sin[:, None, :])
+    assert count_bit_differences(control, want) > 0
