@@ -195,25 +195,17 @@ def _merge_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0, max_pos, row_po
     the same launch wrote the state). The loads are a chain of latencies (a split's merge is a
     few fmas): STAGES > 0 (triton_attention_plan.MERGE_STAGES, the split launch's) runs the loop
     on STAGES stages of Triton's pipeliner, STAGES - 1 splits' states copied ahead (sm_90 TTGIR:
-    async copies; a plain range loop gets none), the same values merged in the same order (the
-    same bits). It replaced a hand-written load one split ahead (twenty-ninth session, measured
-    against it: docs/performance.md). MLA's combine kernel runs the plain loop (STAGES 0: not
-    measured pipelined)."""
+    async copies), the same values merged in the same order (the same bits); STAGES 0 copies
+    nothing ahead (the sm_90 PTX of a plain range loop). It replaced a hand-written load one
+    split ahead (twenty-ninth session, measured against it: docs/performance.md). MLA's combine
+    kernel runs STAGES 0 (not measured pipelined)."""
     big_m = tl.full((ROWS,), float("-inf"), tl.float32)
     big_l = tl.zeros((ROWS,), tl.float32)
     big_acc = tl.zeros((ROWS, W), tl.float32)
-    if STAGES > 0:
-        for split in tl.range(0, max_pos // SPLIT + 1, num_stages=STAGES):
-            m, l, acc = _load_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0 + split * ROWS,
-                                       ROWS, W, CACHE)
-            big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc,
-                                           split * SPLIT <= row_pos)
-    else:
-        for split in range(0, max_pos // SPLIT + 1):
-            m, l, acc = _load_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0 + split * ROWS,
-                                       ROWS, W, CACHE)
-            big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc,
-                                           split * SPLIT <= row_pos)
+    for split in tl.range(0, max_pos // SPLIT + 1, num_stages=STAGES):
+        m, l, acc = _load_partials(part_m_ptr, part_l_ptr, part_acc_ptr, base0 + split * ROWS,
+                                   ROWS, W, CACHE)
+        big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc, split * SPLIT <= row_pos)
     return big_l, big_acc
 
 

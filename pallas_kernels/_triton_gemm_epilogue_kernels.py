@@ -13,7 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pallas_kernels._triton_gemm_kernels import _gemm_tile, _serial_sum, _tile_of
+from pallas_kernels._triton_gemm_kernels import (_gemm_tile, _serial_sum, _sum_stored_chunks,
+                                                 _tile_of)
 from pallas_kernels._triton_kernels import (add_rmsnorm_row, last_to_arrive, silu_rounded,
                                             times_rounded)
 
@@ -160,9 +161,5 @@ def silu_gemm_rows_kernel(
     in_tile = row[:, None] * N + offs_n[None, :]
     tl.store(part_ptr + chunk.to(tl.int64) * M * N + in_tile, acc, mask=ok)
     if last_to_arrive(sem_ptr + pid_n, KSPLIT):
-        chunk_elems = tl.cast(M, tl.int64) * N
-        total = tl.load(part_ptr + in_tile, mask=ok, other=0.0, cache_modifier=".cg")
-        for c in tl.static_range(1, KSPLIT):
-            total = total + tl.load(part_ptr + c * chunk_elems + in_tile, mask=ok, other=0.0,
-                                    cache_modifier=".cg")
+        total = _sum_stored_chunks(part_ptr, in_tile, ok, M, N, KSPLIT)
         tl.store(out_ptr + in_tile, total.to(out_ptr.dtype.element_ty), mask=ok)

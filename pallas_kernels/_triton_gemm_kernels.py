@@ -111,6 +111,21 @@ def _serial_sum(x_ptr, w_ptr, bias_ptr, rm, offs_n, row_ok, col_ok, N, K: tl.con
 
 
 @triton.jit
+def _sum_stored_chunks(tile_base, in_tile, mask, M, N, KSPLIT: tl.constexpr):
+    """A tile's KSPLIT f32 chunk sums, stored at tile_base + c * M * N + in_tile, added in chunk
+    order (gemm_reduce_kernel's operations) by the program that closes the tile. Loaded .cg:
+    other programs of the same launch stored them."""
+    # M * N in 64 bits (tl.cast: M may arrive as the constant 1, jax-triton specializes it, and
+    # a constant has no .to).
+    chunk_elems = tl.cast(M, tl.int64) * N
+    total = tl.load(tile_base + in_tile, mask=mask, other=0.0, cache_modifier=".cg")
+    for c in tl.static_range(1, KSPLIT):
+        total = total + tl.load(tile_base + c * chunk_elems + in_tile, mask=mask, other=0.0,
+                                cache_modifier=".cg")
+    return total
+
+
+@triton.jit
 def _gemm_tile(x_ptr, w_ptr, bias_ptr, out_ptr, M, pid_m, pid_n, chunk,
                N, K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE_F32: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -145,14 +160,7 @@ def _gemm_tile(x_ptr, w_ptr, bias_ptr, out_ptr, M, pid_m, pid_n, chunk,
         if FUSED:
             closed = last_to_arrive(sem_ptr + tile_id, KSPLIT)
             if closed:
-                # M * N in 64 bits (tl.cast: M may arrive as the constant 1, jax-triton
-                # specializes it, and a constant has no .to).
-                chunk_elems = tl.cast(M, tl.int64) * N
-                total = tl.load(tile_base + in_tile, mask=row_ok & col_ok, other=0.0,
-                                cache_modifier=".cg")
-                for c in tl.static_range(1, KSPLIT):
-                    total = total + tl.load(tile_base + c * chunk_elems + in_tile,
-                                            mask=row_ok & col_ok, other=0.0, cache_modifier=".cg")
+                total = _sum_stored_chunks(tile_base, in_tile, row_ok & col_ok, M, N, KSPLIT)
                 if HAS_BIAS:
                     bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
                     total = total + bias[None, :]

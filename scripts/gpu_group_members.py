@@ -40,9 +40,7 @@ def main() -> int:
     import numpy as np
 
     from pallas_kernels import triton_gemm as tg
-
-    def bits_differ(a, b) -> int:
-        return int(np.sum(np.asarray(a).view(np.uint32) != np.asarray(b).view(np.uint32)))
+    from tests.bits import count_bit_differences as bits_differ
 
     def device_us(fn, x, copies) -> float:
         chain = jax.jit(lambda x, copies: [fn(x, ws) for ws in copies])

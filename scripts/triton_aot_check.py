@@ -146,10 +146,10 @@ def gemm_kernels():
     # experiment): the decode tiles with a fused reduce, A of RB real rows up to all BM
     down = {tile for (n, k), members, tile in launches
             if members == [4096] and k == 14336 and tile.fused_reduce}
+    args = dict(g_ptr="*bf16", u_ptr="*bf16", w_ptr="*bf16", M="i32", sem_in_ptr="*i32",
+                part_ptr="*fp32", out_ptr="*bf16", sem_ptr="*i32")
     for tile in sorted(down, key=lambda t: t.describe()):
         for rb in sorted({1, 2, 4, 16, tile.block_m}):
-            args = dict(g_ptr="*bf16", u_ptr="*bf16", w_ptr="*bf16", M="i32", sem_in_ptr="*i32",
-                        part_ptr="*fp32", out_ptr="*bf16", sem_ptr="*i32")
             consts = dict(N=4096, K=14336, BM=tile.block_m, BN=tile.block_n, BK=tile.block_k,
                           KSPLIT=tile.k_split, RB=rb)
             yield (f"N=4096 K=14336 {tile.describe()} silu + gemm RB={rb}",
