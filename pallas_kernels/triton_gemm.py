@@ -176,14 +176,15 @@ def gemm_triton_torch(x, w, bias=None, *, out_dtype, tile: GemmTile | None = Non
 
 
 def group_tile(x, ws, biases) -> GemmTile | None:
-    """The one tile every member uses at this M, or None when the members cannot share a launch
-    (different tiles, bias on some members only, or not 2-3 members): they then run one launch
-    each."""
+    """The one tile every member uses at this M, or None when the members do not share a launch
+    (different tiles, bias on some members only, not 2-3 members, or a tile marked ungrouped):
+    they then run one launch each, on the same tiles, so with the same bits."""
     if len(ws) not in (2, 3) or (biases is not None and any(b is None for b in biases)):
         return None
     m, k = x.shape
     tiles = {tile_for(w.shape[1], k, x.dtype, m) for w in ws}
-    return tiles.pop() if len(tiles) == 1 else None
+    tile = tiles.pop() if len(tiles) == 1 else None
+    return tile if tile is not None and tile.grouped else None
 
 
 def _group_launches(m, k, ns, dtype, has_bias, tile: GemmTile, schedule: str | None):

@@ -56,14 +56,19 @@ class GemmTile:
     # when it ends (the same operations, so the same bits), instead of one loop per chunk: one
     # software pipeline over the whole of K, and no chunk-boundary drain.
     flat_k: bool = False
+    # A group's members (q/k/v, gate/up) that share this tile run as one grouped launch; False
+    # launches each alone on it (the same tile body, so the same bits), for a tile whose grouped
+    # form measured slower than its members' launches added up.
+    grouped: bool = True
 
     def describe(self) -> str:
         split = f" k{self.k_split}" if self.k_split > 1 else ""
         always = " split-always" if self.split_at_every_m and self.k_split > 1 else ""
         fused = " fused" if self.fused_reduce and self.k_split > 1 else ""
         flat = " flat-k" if self.flat_k and self.k_split > 1 else ""
+        alone = "" if self.grouped else " ungrouped"
         return (f"BM{self.block_m}xBN{self.block_n}xBK{self.block_k} g{self.group_m} "
-                f"w{self.num_warps} s{self.num_stages}{split}{always}{fused}{flat}")
+                f"w{self.num_warps} s{self.num_stages}{split}{always}{fused}{flat}{alone}")
 
 
 class TileTableError(ValueError):

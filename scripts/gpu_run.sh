@@ -233,6 +233,9 @@
 #   goldens_record scripts/goldens.py record: tiny, families and production-width goldens on the
 #                  GPU (ids + logprob bits, trainer dumps on CUDA) -> $out/h200.json
 #   goldens_check  scripts/goldens.py check tests/goldens/h200.json: every bit unchanged
+#   group_alone_ab rl-bitwise's 4096-token prefill today, with q/k/v launched member by member on
+#                  the wide prefill tile (its `grouped` false), and with gate/up alone on a 128 x 256
+#                  tile of its own K chunks too; goldens_check_alone: the goldens with both edits
 #   goldens_check_ffi  the same with the Triton leaves called through jaxlib's FFI target
 #                  (JENGINE_TRITON_CALL=ffi; the step in one CUDA graph)
 #   rl_loop_prod   examples/rl_loop.py on a Llama-3-8B-width 2-layer random checkpoint: rollouts from
@@ -298,6 +301,10 @@ with_plan_edit() {  # with_plan_edit SED CMD...: CMD with the attention plan's s
 # The Llama-3-8B entries' own tiles (the prefill's: M > 256) on the flat-K serial schedule: the same
 # K chunks, so the same bits (_triton_gemm_kernels._gemm_flat); split_at_every_m off so M = 4096
 # runs it.
+# The prefill GEMMs member by member (group_alone_ab): q/k/v on the wide tile ungrouped, then
+# gate/up (k_split 2) on a 128 x 256 flat-K tile of its own from M = 1024, also ungrouped.
+QKV_ALONE="d['tiles']['bf16_k4_flat_wide'].update(grouped=False)"
+GATE_UP_WIDE="d['tiles']['bf16_k2_flat_wide'] = dict(d['tiles']['bf16_k4_flat_wide'], k_split=2, grouped=False); [e.update(tile='bf16_k2_flat_wide', by_m=e['by_m'] + [dict(max_m=1023, tile='bf16_k2')]) for e in d['tables']['llama3-8b-h200']['entries'] if e['tile'] == 'bf16_k2']"
 FLAT_K_ENTRIES="[d['tiles'][n].update(flat_k=True, split_at_every_m=False) for n in ('bf16_k4_split', 'bf16_k2')]"
 for s in "$@"; do
   case $s in
@@ -338,6 +345,12 @@ for s in "$@"; do
       step gemm_prefill_warps 330 python3 scripts/gpu_gemm_decode_tiles.py --budget-s 300 --iters 5 --bits-rows 1024 --time-rows 4096 --xla --shapes q/o_proj "qkv group" down_proj --candidates 128,256,8,3,serial 128,256,16,3,serial 128,256,16,4,serial --out "$out/gemm_prefill_warps" ;;
     group_members)  # the q/k/v group's one launch against its members alone on the same tile: bits (f32), µs at 512..4096 rows (not run yet)
       step group_members 150 python3 scripts/gpu_group_members.py --groups q/k/v --rows 512 1024 2048 4096 --out "$out/group_members" ;;
+    group_alone_ab)  # rl-bitwise's prefill (and bs 1) today, q/k/v member by member at M >= 1024, gate/up too
+      a="--numerics rl-bitwise --iters 10 --batch-sizes 1 --long-context 0"
+      step prefill_rl_grouped 150 python3 -m jengine.cli bench --parts model $a --part-timeout 140 --out "$out/prefill_rl_grouped"
+      with_tiles "$QKV_ALONE" step prefill_rl_qkv_alone 150 python3 -m jengine.cli bench --parts model $a --part-timeout 140 --out "$out/prefill_rl_qkv_alone"
+      with_tiles "$QKV_ALONE; $GATE_UP_WIDE" step prefill_rl_all_alone 150 python3 -m jengine.cli bench --parts model $a --part-timeout 140 --out "$out/prefill_rl_all_alone" ;;
+    goldens_check_alone) with_tiles "$QKV_ALONE; $GATE_UP_WIDE" step goldens_check_alone 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
     gemm_prefill_members)  # timings only, 4096 rows: the grouped q/k/v and gate/up launches against their members launched alone (the same bits by construction), and XLA's dot
       step gemm_prefill_members 200 python3 scripts/gpu_gemm_decode_tiles.py --skip-bits --budget-s 170 --iters 5 --time-rows 4096 --xla --shapes q/o_proj k/v_proj gate/up_proj "qkv group" "gate_up group" --candidates 128,256,8,3,serial --out "$out/gemm_prefill_members" ;;
     gemm_prefill_tiles)  # timings only: launch shapes on the entries' K chunks at prefill M, and XLA's dot

@@ -8,6 +8,8 @@ the serial one). Skipped where triton or torch is missing.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -84,7 +86,6 @@ def _assert_split_bits(operands, members, tile, schedule, group_rows):
 def test_the_fused_reduce_keeps_every_bit(operands, members):
     """A tile's fused_reduce: the last of a tile's chunk programs adds the chunks (a counter per
     output tile) instead of gemm_reduce_kernel -- the same additions in the same order."""
-    import dataclasses
 
     _assert_split_bits(operands, members, dataclasses.replace(TILE, fused_reduce=True), "split",
                        33)
@@ -96,7 +97,6 @@ def test_the_flat_k_loop_keeps_every_bit(operands, members):
     schedule (the serial one agrees, above), with and without bias, masked columns (N = 80), one
     and three row tiles, and in the grouped launch; the split schedule and a tile without chunks
     keep their own loops."""
-    import dataclasses
 
     x = operands[0]
     flat = dataclasses.replace(TILE, flat_k=True)
@@ -120,7 +120,6 @@ def test_the_flat_k_loop_negative_control_chunks_closed_twice_as_often_differ(op
 
 def _fused_launch(x, w, bias, sems):
     """fixed_tile_gemm_fused_kernel on the given counters: (output, counters after the launch)."""
-    import dataclasses
 
     fused = dataclasses.replace(TILE, fused_reduce=True)
     m, k = x.shape
@@ -245,3 +244,24 @@ def test_group_tile_falls_back_when_members_cannot_share_a_launch(operands, memb
                                                out_dtype="f32")
     alone = triton_gemm.gemm_triton_torch(x[:3], ws[1], out_dtype="f32")  # its own tile_for
     assert count_bit_differences(alone.numpy(), outs[1].numpy()) == 0
+
+
+def test_an_ungrouped_tile_launches_each_member_alone_with_the_same_bits(operands, members,
+                                                                         monkeypatch):
+    """A tile with grouped=False (its grouped form measured slower) gives no group tile, and the
+    grouped call then launches every member on its own -- the bits of the one launch."""
+    x, (ws, bs) = operands[0][:33], members
+    monkeypatch.setattr(triton_gemm, "tile_for", lambda n, k, dtype, m=None: TILE)
+    assert triton_gemm.group_tile(x, ws, bs) == TILE  # the control: the same tile, grouped
+    one_launch = triton_gemm.gemm_group_triton_torch(x, ws, bs, out_dtype="f32")
+    alone_tile = dataclasses.replace(TILE, grouped=False)
+    monkeypatch.setattr(triton_gemm, "tile_for", lambda n, k, dtype, m=None: alone_tile)
+    assert triton_gemm.group_tile(x, ws, bs) is None
+    launched = []
+    real = triton_gemm.gemm_triton_torch
+    monkeypatch.setattr(triton_gemm, "gemm_triton_torch",
+                        lambda *a, **kw: launched.append(a[1].shape) or real(*a, **kw))
+    outs = triton_gemm.gemm_group_triton_torch(x, ws, bs, out_dtype="f32")
+    assert launched == [w.shape for w in ws]
+    for i in range(len(ws)):
+        assert count_bit_differences(one_launch[i].numpy(), outs[i].numpy()) == 0, i
