@@ -235,8 +235,9 @@ def test_group_tile_falls_back_when_members_cannot_share_a_launch(operands, memb
     assert triton_gemm.group_tile(xb, qkv, None) == triton_gemm.tile_for(4096, 4096, "bf16", 1)
     x65 = torch.zeros(65, 4096, dtype=torch.bfloat16)  # past the decode launch shapes (by_m)
     assert triton_gemm.group_tile(x65, qkv, None) == triton_gemm.tile_for(4096, 4096, "bf16", 65)
-    x1024 = torch.zeros(1024, 4096, dtype=torch.bfloat16)  # a prefill: the entries' wide tile
-    assert triton_gemm.group_tile(x1024, qkv, None) == triton_gemm.tile_for(4096, 4096, "bf16")
+    x1024 = torch.zeros(1024, 4096, dtype=torch.bfloat16)  # a prefill: the entries' wide tile,
+    assert not triton_gemm.tile_for(4096, 4096, "bf16").grouped  # marked ungrouped (measured)
+    assert triton_gemm.group_tile(x1024, qkv, None) is None
     mixed = [torch.zeros(4096, n, dtype=torch.bfloat16) for n in (4096, 14336)]
     assert triton_gemm.group_tile(xb, mixed, None) is None
     # ...and then the grouped call is one launch per member, still the members' own bits.
