@@ -12,7 +12,8 @@ from pallas_kernels import (activation, attention, gemm, logprobs, mla_attention
                             moe_grouped_gemm, moe_router, moe_router_grouped, rmsnorm, rope_write,
                             sampling)
 from pallas_kernels import gemm_epilogues  # noqa: F401  (after gemm, rmsnorm, activation)
+from pallas_kernels import rope_attention  # noqa: F401  (after attention, rope_write, gemm_epilogues)
 from pallas_kernels import (triton_activation, triton_attention, triton_gemm,  # noqa: F401
                             triton_gemm_add_norm, triton_gemm_swiglu, triton_mla_attention,
-                            triton_moe_grouped_gemm, triton_norm, triton_rope_write,
-                            triton_sampling)
+                            triton_moe_grouped_gemm, triton_norm, triton_rope_attention,
+                            triton_rope_write, triton_sampling)

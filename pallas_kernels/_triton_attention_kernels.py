@@ -110,44 +110,73 @@ def _split_state(q, row_pos, max_pos, req, split, bt_ptr, k_ptr, v_ptr, page_siz
     m = tl.full((ROWS,), float("-inf"), tl.float32)
     l = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, D), tl.float32)
-    d = tl.arange(0, D)
     lo = split * SPLIT
     hi = tl.minimum(lo + SPLIT, max_pos + 1)
-    if PAGES > 0:
-        first = lo // page_size
-        sp = first + tl.arange(0, PAGES)
-        split_pages = tl.load(bt_ptr + req * table_width + sp,
-                              mask=(sp < table_width) & (sp * page_size <= max_pos), other=0)
+    first = lo // page_size
+    split_pages = _split_pages(bt_ptr, req, first, max_pos, page_size, table_width, PAGES)
     for start in range(lo, hi, BLOCK_N):
         c = start + tl.arange(0, BLOCK_N)
         in_tile = c <= max_pos  # positions some row of the tile may read
-        if PAGES > 0:
-            page = tl.gather(split_pages, c // page_size - first, 0)
-        else:
-            page = tl.load(bt_ptr + req * table_width + c // page_size, mask=in_tile, other=0)
-        slot = c % page_size
-        kv_off = ((page.to(tl.int64) * page_size + slot) * HKV + h) * D
-        k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=in_tile[:, None], other=0.0)
-        v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=in_tile[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        valid = c[None, :] <= row_pos[:, None]
-        s = tl.where(valid, s * scale, float("-inf"))
-        live = start <= row_pos  # the row reads at least one position of this tile
-        m_new = tl.where(live, tl.maximum(m, tl.max(s, axis=1)), m)
-        alpha = _expf(m - m_new)
-        p = tl.where(valid, _expf(s - m_new[:, None]), 0.0)
-        l_new = tl.fma(l, alpha, _row_sum(p, v, ROWS, BLOCK_N, ROWSUM, IEEE))
-        if IEEE:
-            acc_new = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc_new = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        l = tl.where(live, l_new, l)
-        acc = tl.where(live[:, None], acc_new, acc)
-        m = m_new
+        k, v = _pool_tile(k_ptr, v_ptr, split_pages, first, c, in_tile, req, bt_ptr, page_size,
+                          table_width, h, HKV, D, PAGES)
+        m, l, acc = _online_step(q, k, v, c, start, row_pos, m, l, acc, scale, ROWS, BLOCK_N,
+                                 IEEE, ROWSUM)
     return m, l, acc
+
+
+@triton.jit
+def _split_pages(bt_ptr, req, first, max_pos, page_size, table_width, PAGES: tl.constexpr):
+    """PAGES > 0: the PAGES page ids of a split from its first page on, in one load (its tiles
+    gather theirs from them: _pool_tile); PAGES 0: none (each tile loads its own)."""
+    if PAGES > 0:
+        sp = first + tl.arange(0, PAGES)
+        split_pages = tl.load(bt_ptr + req * table_width + sp,
+                              mask=(sp < table_width) & (sp * page_size <= max_pos), other=0)
+    else:
+        split_pages = first  # unused
+    return split_pages
+
+
+@triton.jit
+def _pool_tile(k_ptr, v_ptr, split_pages, first, c, mask, req, bt_ptr, page_size, table_width, h,
+               HKV: tl.constexpr, D: tl.constexpr, PAGES: tl.constexpr):
+    """The K and V rows [len(c), D] of KV head h at positions c of request req, read from the
+    pages; zeros where `mask` is false."""
+    d = tl.arange(0, D)
+    if PAGES > 0:
+        page = tl.gather(split_pages, c // page_size - first, 0)
+    else:
+        page = tl.load(bt_ptr + req * table_width + c // page_size, mask=mask, other=0)
+    slot = c % page_size
+    kv_off = ((page.to(tl.int64) * page_size + slot) * HKV + h) * D
+    k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=mask[:, None], other=0.0)
+    v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=mask[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _online_step(q, k, v, c, start, row_pos, m, l, acc, scale, ROWS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, IEEE: tl.constexpr, ROWSUM: tl.constexpr):
+    """One KV tile (positions c = start + 0..BLOCK_N-1, rows k / v) of the online softmax:
+    (m, l, acc) after it, for every row."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    valid = c[None, :] <= row_pos[:, None]
+    s = tl.where(valid, s * scale, float("-inf"))
+    live = start <= row_pos  # the row reads at least one position of this tile
+    m_new = tl.where(live, tl.maximum(m, tl.max(s, axis=1)), m)
+    alpha = _expf(m - m_new)
+    p = tl.where(valid, _expf(s - m_new[:, None]), 0.0)
+    l_new = tl.fma(l, alpha, _row_sum(p, v, ROWS, BLOCK_N, ROWSUM, IEEE))
+    if IEEE:
+        acc_new = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc_new = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    l = tl.where(live, l_new, l)
+    acc = tl.where(live[:, None], acc_new, acc)
+    return m_new, l, acc
 
 
 @triton.jit
@@ -304,13 +333,24 @@ def _rotate(ptr, base, heads, ok, c, s, d, D: tl.constexpr):
     rows = base + heads[:, None] * D
     x = tl.load(ptr + rows + d[None, :], mask=ok[:, None], other=0.0)
     xr = tl.load(ptr + rows + partner[None, :], mask=ok[:, None], other=0.0)
+    return rope(x, xr, c, s, d, D)  # c, s [D]: broadcast over the rows where they are used
+
+
+@triton.jit
+def rope(x, xr, c, s, d, D: tl.constexpr):
+    """x * cos + rotate_half(x) * sin, each of the three operations rounded to x's dtype: x [R, D]
+    rows, xr the same rows' partner elements (d + D/2 for d < D/2, d - D/2 after), c / s the
+    f32-widened cos / sin broadcastable to [R, D]. The one rotation of every launch that rotates
+    (rope_write_kernel, and the attention launch that rotates inside it:
+    _triton_rope_attention_kernels.py), so both give the same bits -- compiled with fp fusion
+    off, x * c + xr * s cannot contract into an fma in either."""
+    HALF: tl.constexpr = D // 2
     # rotate_half's negation, exact: Triton's unary minus is 0 - x, which makes +0 of +0 where
     # torch's and XLA's negation make -0 (and so a sum's zero sign could differ from theirs).
     xr = tl.where(d[None, :] < HALF, xr * -1.0, xr)
-    ty: tl.constexpr = ptr.dtype.element_ty
-    a = (x.to(tl.float32) * c[None, :]).to(ty)
-    b = (xr.to(tl.float32) * s[None, :]).to(ty)
-    return (a.to(tl.float32) + b.to(tl.float32)).to(ty)
+    a = (x.to(tl.float32) * c).to(x.dtype)
+    b = (xr.to(tl.float32) * s).to(x.dtype)
+    return (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
 
 
 @triton.jit(do_not_specialize=["num_pages", "page_size"])

@@ -2,6 +2,7 @@
 
     python scripts/triton_aot_check.py [LABEL_PREFIX]
     python scripts/triton_aot_check.py --same-float-ops
+    python scripts/triton_aot_check.py --rope-attention
 
 Triton's compiler and ptxas run on any Linux x86_64 host, so a kernel that does not compile for the
 H200 (an unsupported construct, a type mismatch between selected pointers) fails here, in CI, and
@@ -269,6 +270,52 @@ def attention_kernels():
                 yield (f"rope_write hq={hq} hkv={hkv} D={d} {dtype}" + (" qkv" if qkv else ""),
                        K.rope_write_kernel, rope,
                        dict(HQ=hq, HKV=hkv, HQP=hq, HKVP=hkv, D=d, QKV=qkv), (4, 1, False))
+    yield from rope_attention_kernels()
+
+
+def engine_split_consts(hq: int, hkv: int, d: int, dtype: str) -> tuple[dict, tuple]:
+    """(constexprs, options) of the split launch as the engine plans it today, with no switch
+    set (triton_attention_plan: the default KV tile and row sum, the page ids per split; the
+    leaf's 16-position pages)."""
+    from pallas_kernels import triton_attention_plan as tap
+
+    ieee = dtype == "fp32"
+    c = dict(tap.geometry(hq, hkv, d), BLOCK_N=tap.BLOCK_N if ieee else tap.DEFAULT_KV_TILE,
+             SPLIT=tap.SPLIT, IEEE=ieee, ROWSUM=tap.ROWSUM_FORMS[tap.DEFAULT_ROWSUM], PAGES=0)
+    pc, options = tap.paged(split_consts(c), "split", 16, form="planned")
+    return pc, _launch_options(pc, options)
+
+
+def rope_attention_kernels():
+    """RoPE + the KV write inside the split launch (triton_rope_attention.py, an experiment), at
+    the engine's split-launch constexprs, each after the split launch it replaces (the same
+    constexprs: `rope_attention_report` compares the two): "rope_attention ... split" and
+    "rope_attention ... fused" (+ " qkv": auto's merged q / k / v)."""
+    from pallas_kernels import _triton_attention_kernels as K
+    from pallas_kernels import _triton_rope_attention_kernels as R
+    from pallas_kernels import triton_rope_attention as tra
+
+    for (hq, hkv, d) in ((32, 8, 128), (4, 2, 16)):
+        for dtype in ("bf16", "fp32"):
+            consts, options = engine_split_consts(hq, hkv, d, dtype)
+            label = f"rope_attention hq={hq} hkv={hkv} D={d} {dtype}"
+            table = {"bt_ptr": "*i32", "pos_ptr": "*i32", "tiles_ptr": "*i32"}
+            sizes = {"num_tiles": "i32", "page_size": "i32", "table_width": "i32",
+                     "scale": "fp32"}
+            parts = {"sem_in_ptr": "*i32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
+                     "part_acc_ptr": "*fp32", "out_ptr": f"*{dtype}"}
+            split = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", **table,
+                     **sizes, **parts, "sem_ptr": "*i32"}
+            yield label + " split", K.attention_split_kernel, split, consts, options
+            fused = {**{p: f"*{dtype}" for p in ("q_ptr", "k_ptr", "v_ptr", "cos_ptr",
+                                                 "sin_ptr")},
+                     "page_ptr": "*i32", "slot_ptr": "*i32", "kc_ptr": f"*{dtype}",
+                     "vc_ptr": f"*{dtype}", **table, "num_pages": "i32", **sizes, **parts,
+                     "kc_out_ptr": f"*{dtype}", "vc_out_ptr": f"*{dtype}", "sem_ptr": "*i32"}
+            for merged in (False, True):
+                yield (label + " fused" + (" qkv" if merged else ""),
+                       R.attention_rope_split_kernel, fused,
+                       dict(consts, **tra.layout(hq, hkv, d, merged)), options)
 
 
 def mla_attention_kernels():
@@ -327,6 +374,101 @@ def same_float_ops() -> int:
     return 1 if failures else 0
 
 
+def ptxas_usage(ptx: str, enable_fp_fusion: bool = False) -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) per thread: ptxas -v on the PTX, as
+    Triton's own compile runs it (triton's bundled ptxas, sm_90a, --fmad=false without fp
+    fusion)."""
+    import subprocess
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        cmd = [ptxas, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(tmp, "kernel.cubin")]
+        log = subprocess.run(cmd + ([] if enable_fp_fusion else ["--fmad=false"]),
+                             capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return int(regs.group(1)), int(spills.group(1)), int(spills.group(2))
+
+
+def float_ops_of_lines(ptx: str, path: str, lines) -> list[str]:
+    """The float instructions of the PTX that its line info (.loc) puts on `lines` of the source
+    file `path`: a helper's own arithmetic, wherever the compiler inlined it."""
+    files = dict(re.findall(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', ptx, re.M))
+    here, ops = None, []
+    for line in ptx.splitlines():
+        loc = re.match(r"^\s*\.loc\s+(\d+)\s+(\d+)", line)
+        if loc:
+            here = (files.get(loc.group(1), ""), int(loc.group(2)))
+            continue
+        op = _FLOAT_OP.match(line)
+        if op and here and os.path.realpath(here[0]) == os.path.realpath(path) \
+                and here[1] in lines:
+            ops.append(op.group(1))
+    return ops
+
+
+def rope_attention_report() -> int:
+    """--rope-attention: each fused launch of rope_attention_kernels() against the split launch
+    it replaces (registers and spills, ptxas -v) and against rope_write_kernel: the float
+    instructions on the lines of the shared `rope` helper. The fused launch must rotate with
+    exactly rope_write's operations -- the same opcodes in the same proportions, no fma (fp
+    fusion off). Exits 1 otherwise. Registers and spills are reported, not judged (they cost time,
+    not bits)."""
+    import inspect
+    from collections import Counter
+
+    from pallas_kernels import _triton_attention_kernels as K
+
+    body, first = inspect.getsourcelines(K.rope.fn)
+    path, lines = inspect.getsourcefile(K.rope.fn), range(first, first + len(body))
+    rope_write = {label.split()[4]: (fn, args, consts, opts)  # by dtype, the 8B heads
+                  for label, fn, args, consts, opts in attention_kernels()
+                  if label.startswith("rope_write hq=32") and not label.endswith("qkv")}
+    reference = {}
+    for dtype, (fn, args, consts, opts) in rope_write.items():
+        ptx = _compile(fn, args, consts, *opts).asm["ptx"]
+        reference[dtype] = Counter(float_ops_of_lines(ptx, path, lines))
+        print(f"rope_write hq=32 {dtype}: rope ops {dict(reference[dtype])}, "
+              f"{ptxas_usage(ptx)[0]} registers")
+    failures, split = 0, None
+    for label, fn, args, consts, opts in rope_attention_kernels():
+        ptx = _compile(fn, args, consts, *opts).asm["ptx"]
+        regs, stores, loads = ptxas_usage(ptx, opts[2])
+        usage = f"{regs} registers, spills {stores} / {loads} B"
+        if label.endswith(" split"):
+            split = usage
+            continue
+        ops = per_element(Counter(float_ops_of_lines(ptx, path, lines)))
+        ref = per_element(reference[label.split()[4]])
+        # the same operations per element: counts in the same proportions (the launches rotate
+        # other numbers of elements per thread), and no contraction among them
+        same = set(ops) == set(ref) and not any("fma" in op for op in ops) and all(
+            ops[op] * sum(ref.values()) == ref[op] * sum(ops.values()) for op in ref)
+        failures += not same
+        print(f"{'same' if same else 'DIFF'}  {label}: rope ops per element "
+              f"{_ratios(ops)} (rope_write: {_ratios(ref)}); {usage} (the split launch: {split})")
+    return 1 if failures else 0
+
+
+def per_element(ops) -> dict:
+    """Float op counts per element: a packed bf16x2 op counts for two elements, as two ops."""
+    out = {}
+    for op, n in ops.items():
+        name, lanes = (op.replace("bf16x2", "bf16"), 2) if "bf16x2" in op else (op, 1)
+        out[name] = out.get(name, 0) + n * lanes
+    return out
+
+
+def _ratios(ops: dict) -> str:
+    least = min(ops.values())
+    return ", ".join(f"{op} x{n / least:g}" for op, n in sorted(ops.items()))
+
+
 def main(only: str = "") -> int:
     """only: compile just the launches whose label starts with it (e.g. "mla")."""
     failures = 0
@@ -350,4 +492,6 @@ def main(only: str = "") -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--same-float-ops"]:
         sys.exit(same_float_ops())
+    if sys.argv[1:2] == ["--rope-attention"]:
+        sys.exit(rope_attention_report())
     sys.exit(main(*sys.argv[1:2]))

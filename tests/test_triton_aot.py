@@ -54,6 +54,8 @@ def test_every_tuned_gemm_and_attention_launch_compiles_for_sm90(tmp_path):
     assert any(line.startswith("ok    attention hq=32 hkv=8 D=128 bf16 kv64 split")
                for line in lines)  # JENGINE_ATTENTION_KV_TILE=64's launches
     assert any(line.startswith("ok    rope_write hq=32 hkv=8 D=128 bf16") for line in lines)
+    assert any(line.startswith("ok    rope_attention hq=32 hkv=8 D=128 bf16 fused qkv")
+               for line in lines)  # RoPE + the KV write in the split launch (an experiment)
     assert any(line.startswith("ok    mla h=128 R=512 P=64 bf16 split") for line in lines)
     assert any(line.startswith("ok    add_rmsnorm rows H=4096 bf16 ROWS=") for line in lines)
     assert any(line.startswith("ok    silu N=58720256 bf16") for line in lines)
@@ -116,6 +118,34 @@ def test_negative_control_another_row_sum_changes_the_float_instructions(tmp_pat
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("attention hq=32 hkv=8 D=128 bf16 serial "), proc.stdout
     assert proc.stdout.split()[-1] == "False", proc.stdout
+
+
+def test_the_fused_rope_attention_launch_rotates_with_rope_writes_operations(tmp_path):
+    """RoPE inside the split launch (triton_rope_attention.py): on the lines of the shared `rope`
+    helper, every fused launch's sm_90 PTX has rope_write_kernel's float operations per element
+    (mul.rn x2, neg, add.rn; no fma: fp fusion off in both) -- the compiled form of "the same
+    rotation". The script also reports registers and spills against the split launch."""
+    proc = _script(["--rope-attention"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if "rope_attention" in line]
+    assert len(lines) == 8 and all(line.startswith("same ") for line in lines), lines
+
+
+def test_negative_control_fp_fusion_contracts_the_rotation(tmp_path):
+    """The check above can fail: the fused launch compiled with fp fusion on has an fma on the
+    rotation's lines."""
+    code = ("import sys, inspect; sys.path[:0] = [sys.argv[1]]\n"
+            "import triton_aot_check as c\n"
+            "from pallas_kernels import _triton_attention_kernels as K\n"
+            "body, first = inspect.getsourcelines(K.rope.fn)\n"
+            "path, lines = inspect.getsourcefile(K.rope.fn), range(first, first + len(body))\n"
+            "for label, fn, args, consts, opts in c.rope_attention_kernels():\n"
+            "    if label == 'rope_attention hq=32 hkv=8 D=128 bf16 fused':\n"
+            "        ptx = c._compile(fn, args, consts, opts[0], opts[1], True).asm['ptx']\n"
+            "        print(sorted(set(c.float_ops_of_lines(ptx, path, lines))))\n")
+    proc = _script([], tmp_path, code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "fma" in proc.stdout, proc.stdout
 
 
 BROKEN = '''

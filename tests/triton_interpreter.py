@@ -58,6 +58,48 @@ if AVAILABLE:
     _interp.InterpreterBuilder.create_dot = _fixed_order_dot
 
 
+def _get_bf16(self, value):
+    """A bf16 constant (the interpreter has none: `x * -1.0` or `tl.where(m, x, 0.0)` on a bf16 x
+    raised). bf16 values are kept as their uint16 bits; the constants kernels use (0, +-1) are
+    exact, so the f32 value's top half is the bf16 value."""
+    from triton.runtime.interpreter import TensorHandle
+    import triton.language as tl
+    import numpy as np
+
+    bits = np.array([value], dtype=np.float32).view(np.uint32) >> 16
+    return TensorHandle(bits.astype(np.uint16), tl.bfloat16)
+
+
+def _bf16_aware(op):
+    """The interpreter's float op `op`, with bf16 operands (kept as uint16 bits, which numpy
+    would add or multiply as integers) widened to f32, computed and narrowed back with the
+    interpreter's own conversions -- a logic check's arithmetic, not the GPU's rounding."""
+    def binary(self, lhs, rhs):
+        from triton.runtime.interpreter import TensorHandle, _convert_float
+        import triton.language as tl
+        import numpy as np
+
+        if lhs.dtype.scalar != tl.bfloat16:
+            return _plain[op](self, lhs, rhs)
+        wide = [_convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32)
+                for h in (lhs, rhs)]
+        out = _NUMPY[op](*wide).astype(np.float32)
+        narrow = _convert_float(out, tl.float32, tl.bfloat16, None).view(np.uint16)
+        return TensorHandle(narrow.reshape(out.shape), tl.bfloat16)
+    return binary
+
+
+if AVAILABLE:
+    import numpy as _np
+
+    _NUMPY = {"create_fadd": _np.add, "create_fsub": _np.subtract, "create_fmul": _np.multiply,
+              "create_fdiv": _np.divide}
+    _plain = {name: getattr(_interp.InterpreterBuilder, name) for name in _NUMPY}
+    for _name in _NUMPY:
+        setattr(_interp.InterpreterBuilder, _name, _bf16_aware(_name))
+    _interp.InterpreterBuilder.get_bf16 = _get_bf16
+
+
 def registered_as_on_a_gpu(monkeypatch, module, leaves):
     """For a fixture (`yield from`): reload a Triton leaf module as on a GPU machine with
     jax-triton (here it is missing), so it registers its leaves; yield the module; then take

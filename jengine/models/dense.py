@@ -32,7 +32,7 @@ from jengine.models.layers.mlp import SwiGLU
 from jengine.models.layers.norm import RMSNorm
 from jengine.models.layers.param import ParamSpec
 from jengine.models.layers.rope import rope_tables
-from pallas_kernels import gemm_epilogues
+from pallas_kernels import gemm_epilogues, rope_attention
 from pallas_kernels.registry import KernelPlan, plan
 
 
@@ -57,6 +57,10 @@ class ModelKernels:
     # calls those.
     gemm_add_rmsnorm: KernelPlan | None = field(default=None, kw_only=True)
     gemm_swiglu: KernelPlan | None = field(default=None, kw_only=True)
+    # Experimental, planned only when JENGINE_ATTENTION_ROPE=fused asks (pallas_kernels/
+    # rope_attention.py): rope_write and attention as one leaf giving their bits (on a GPU one
+    # launch at decode steps). None: the layer calls the two.
+    rope_paged: KernelPlan | None = field(default=None, kw_only=True)
 
     @classmethod
     def plan_for(cls, *, dtype, hardware: str, features=frozenset(),
@@ -74,7 +78,8 @@ class ModelKernels:
             attention=plan("attention", "paged", geometry=attention_geometry, **kw),
             rope_write=plan("attention", "rope_write", geometry=attention_geometry, **kw),
         )
-        return cls(**plans, **gemm_epilogues.plan_fused(plans, **kw))
+        return cls(**plans, **gemm_epilogues.plan_fused(plans, **kw),
+                   **rope_attention.plan_fused(plans, geometry=attention_geometry, **kw))
 
     def describe(self) -> dict[str, str]:
         return {f: None if getattr(self, f) is None else getattr(self, f).leaf.impl

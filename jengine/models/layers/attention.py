@@ -78,9 +78,14 @@ class Attention(nnx.Module):
         if self.qk_norm:
             q = self.q_norm(kern, q.reshape(t * hq, d), eps=self.eps).reshape(t, hq, d)
             k = self.k_norm(kern, k.reshape(t * hkv, d), eps=self.eps).reshape(t, hkv, d)
-        q, (k_pages, v_pages) = kern.rope_write(q, k, v, cos, sin, kv, page, slot)
-        o = kern.attention(q, (k_pages, v_pages), block_tables, token_req, positions,
-                           scale=d ** -0.5)
+        if kern.rope_paged is not None:  # the two leaves below as one (JENGINE_ATTENTION_ROPE)
+            o, (k_pages, v_pages) = kern.rope_paged(q, k, v, cos, sin, kv, page, slot,
+                                                    block_tables, token_req, positions,
+                                                    scale=d ** -0.5)
+        else:
+            q, (k_pages, v_pages) = kern.rope_write(q, k, v, cos, sin, kv, page, slot)
+            o = kern.attention(q, (k_pages, v_pages), block_tables, token_req, positions,
+                               scale=d ** -0.5)
         o = o.reshape(t, hq * d)
         if pending:
             if tp is not None:
