@@ -342,6 +342,7 @@ def test_an_unknown_value_is_refused_naming_the_variable_and_value(monkeypatch):
         _kern(INVARIANT, "cpu")
 
 
+@pytest.mark.slow  # 17 s: the bits it checks are the cases above, through the script
 def test_the_gpu_scripts_bits_part_runs_and_agrees(tmp_path):
     """scripts/gpu_rope_attention.py --smoke (its bits part and its timed launches' outputs,
     small heads, under this interpreter): every comparison 0 elements, the timed one launch and
