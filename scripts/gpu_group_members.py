@@ -1,5 +1,6 @@
 """From how many rows are the q/k/v and gate/up groups faster as launches of their own, and do they
-keep their bits? (#19: a lead, not wired; docs/performance.md, thirtieth session)
+keep their bits? (#19; docs/performance.md, thirtieth and thirty-first sessions: the H100 answer,
+from 1024 rows, made the wide prefill tiles ungrouped)
 
     python scripts/gpu_group_members.py [--out DIR] [--rows 512 1024 2048 4096] [--groups q/k/v]
 

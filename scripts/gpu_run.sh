@@ -42,7 +42,7 @@
 #   gemm_prefill_warps  the wide prefill tile on 8 warps (today's, which spills) and on 16: bits, ms
 #   gemm_prefill_members  the grouped prefill launches against their members alone, 4096 rows (µs)
 #   group_members  scripts/gpu_group_members.py: a group's one launch against its members alone on
-#                  the same tile, by M: bits, µs (the prefill ratio's lead; not run yet)
+#                  the same tile, by M: bits, µs (ran: the wide tiles are ungrouped since)
 #   engine_ffi_ab_rl  rl-bitwise's Engine workload (overlap on and off, loop overhead) with the
 #                  legacy custom call, then the FFI one
 #   triton_call_ab_rl  rl-bitwise decode rows with jax-triton's legacy custom call, then the FFI
@@ -347,7 +347,7 @@ for s in "$@"; do
       JENGINE_TRITON_CALL=ffi step model_rl_triton_ffi 150 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 140 --out "$out/model_rl_triton_ffi" ;;
     gemm_prefill_warps)  # the wide prefill tile (128 x 256, flat-K) on 8 warps (today: 255 registers, ~37 spilled) against 16 (128 a thread): bits at 1024 rows, ms at 4096
       step gemm_prefill_warps 330 python3 scripts/gpu_gemm_decode_tiles.py --budget-s 300 --iters 5 --bits-rows 1024 --time-rows 4096 --xla --shapes q/o_proj "qkv group" down_proj --candidates 128,256,8,3,serial 128,256,16,3,serial 128,256,16,4,serial --out "$out/gemm_prefill_warps" ;;
-    group_members)  # the q/k/v group's one launch against its members alone on the same tile: bits (f32), µs at 512..4096 rows (not run yet)
+    group_members)  # the q/k/v group's one launch against its members alone on the same tile: bits (f32), µs at 512..4096 rows (H100, thirty-first session: alone faster from 1024 rows)
       step group_members 150 python3 scripts/gpu_group_members.py --groups q/k/v --rows 512 1024 2048 4096 --out "$out/group_members" ;;
     rope_attention)  # an experiment: RoPE + the KV write inside the split attention launch (bits vs the two launches, µs at bs 1 / 16 / 32)
       step rope_attention 400 python3 scripts/gpu_rope_attention.py --out "$out/rope_attention" ;;
