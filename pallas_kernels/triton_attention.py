@@ -88,6 +88,25 @@ def kernels():
 # -- tiles: which tokens each program holds -------------------------------------------------------
 
 
+def runs_jax(token_req):
+    """A step's runs of equal token_req (one request's rows are contiguous): each token's index,
+    whether it starts a run, and its run's first token."""
+    idx = jnp.arange(token_req.shape[0], dtype=jnp.int32)
+    new_run = jnp.concatenate([jnp.ones((1,), bool), token_req[1:] != token_req[:-1]])
+    return idx, new_run, jax.lax.cummax(jnp.where(new_run, idx, 0))
+
+
+def runs_torch(token_req):
+    """runs_jax from torch (the twin's host)."""
+    import torch
+
+    t, dev = token_req.shape[0], token_req.device
+    idx = torch.arange(t, dtype=torch.int32, device=dev)
+    new_run = torch.ones(t, dtype=torch.bool, device=dev)
+    new_run[1:] = token_req[1:] != token_req[:-1]
+    return idx, new_run, torch.cummax(torch.where(new_run, idx, 0), dim=0).values
+
+
 def tiles_jax(token_req, positions, tpp: int):
     """int32 [4, T]: each tile's first token, token count, request row and largest position
     (tiles past the last have count 0).
@@ -97,9 +116,7 @@ def tiles_jax(token_req, positions, tpp: int):
     """
     t = token_req.shape[0]
     token_req = token_req.astype(jnp.int32)
-    idx = jnp.arange(t, dtype=jnp.int32)
-    new_run = jnp.concatenate([jnp.ones((1,), bool), token_req[1:] != token_req[:-1]])
-    run_start = jax.lax.cummax(jnp.where(new_run, idx, 0))
+    idx, new_run, run_start = runs_jax(token_req)
     head = new_run | ((idx - run_start) % tpp == 0)
     tile_id = jnp.cumsum(head.astype(jnp.int32)) - 1
     start = jnp.zeros(t, jnp.int32).at[jnp.where(head, tile_id, t)].set(idx, mode="drop")
@@ -114,10 +131,7 @@ def tiles_torch(token_req, positions, tpp: int):
 
     t, dev = token_req.shape[0], token_req.device
     token_req = token_req.to(torch.int32)
-    idx = torch.arange(t, dtype=torch.int32, device=dev)
-    new_run = torch.ones(t, dtype=torch.bool, device=dev)
-    new_run[1:] = token_req[1:] != token_req[:-1]
-    run_start = torch.cummax(torch.where(new_run, idx, 0), dim=0).values
+    idx, new_run, run_start = runs_torch(token_req)
     head = new_run | ((idx - run_start) % tpp == 0)
     tile_id = torch.cumsum(head.to(torch.int64), 0) - 1
     start = torch.zeros(t, dtype=torch.int32, device=dev)

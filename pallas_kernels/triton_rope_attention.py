@@ -58,10 +58,7 @@ def fresh_rows_jax(tiles, token_req, positions, page, num_pages: int):
     token_req it belongs to, that token's position, and how many positions the run writes -- its
     length, or 0 where its first token's page is outside [0, num_pages) (padding) -> [7, T]."""
     t = token_req.shape[0]
-    token_req = token_req.astype(jnp.int32)
-    idx = jnp.arange(t, dtype=jnp.int32)
-    new_run = jnp.concatenate([jnp.ones((1,), bool), token_req[1:] != token_req[:-1]])
-    run_start = jax.lax.cummax(jnp.where(new_run, idx, 0))
+    _, _, run_start = ta.runs_jax(token_req.astype(jnp.int32))
     run_len = jnp.zeros(t, jnp.int32).at[run_start].add(1)
     t0 = run_start[tiles[0]]
     writes = (page[t0] >= 0) & (page[t0] < num_pages) & (tiles[1] > 0)
@@ -74,11 +71,7 @@ def fresh_rows_torch(tiles, token_req, positions, page, num_pages: int):
     import torch
 
     t, dev = token_req.shape[0], token_req.device
-    token_req = token_req.to(torch.int32)
-    idx = torch.arange(t, dtype=torch.int32, device=dev)
-    new_run = torch.ones(t, dtype=torch.bool, device=dev)
-    new_run[1:] = token_req[1:] != token_req[:-1]
-    run_start = torch.cummax(torch.where(new_run, idx, 0), dim=0).values
+    _, _, run_start = ta.runs_torch(token_req.to(torch.int32))
     run_len = torch.zeros(t, dtype=torch.int32, device=dev)
     run_len.index_add_(0, run_start, torch.ones(t, dtype=torch.int32, device=dev))
     t0 = run_start[tiles[0].long()]
