@@ -178,25 +178,6 @@ def bits_rows(gen, smoke: bool) -> list[dict]:
     return rows
 
 
-def device_us(run, iters=200) -> float:
-    """µs per run: captured once in a CUDA graph, replayed back to back."""
-    import torch
-
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters * 1e3
-
-
 def launches(s, merged):
     """(one, rope_write, split): closures making each launch on buffers made once -- the tiles
     and partials precomputed, the counters zeroed once (each launch leaves them zero) -- so a
@@ -251,6 +232,8 @@ def launches(s, merged):
 def timing_rows(gen, smoke: bool) -> list[dict]:
     """Device µs of the timed launches, after checking that they compute the same output (the
     closures pass their arguments by hand: a wrong one would time another computation)."""
+    from gpu_attention_split import device_us  # the split study's CUDA-graph timing
+
     rows = []
     for bs in (1, 4) if smoke else (1, 16, 32):
         s = make_step(gen, [(300 if smoke else 1024, 1)] * bs, "bf16", 16 if bs < 16 else None,
