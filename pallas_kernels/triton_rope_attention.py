@@ -1,19 +1,24 @@
 """("attention", "rope_paged") on the GPU: RoPE and the KV write inside the split attention launch
-(an experiment, off by default; pallas_kernels/rope_attention.py says how a model plans it).
+(planned by default; pallas_kernels/rope_attention.py says how a model plans it).
 
 A decode step's layer runs two launches: rope_write (triton_rope_write.py) and, at <= SPLIT_MAX_ROWS
 token rows, the split attention launch (triton_attention.py); 32 launches and gaps per step of an
 8B model. `attention_rope_split_kernel` (_triton_rope_attention_kernels.py, which says how it
 never reads back a slot it writes) does both in one, with the two launches' helpers, so the same
 bits: tests/test_triton_rope_attention.py compares it with them under Triton's interpreter, and
-scripts/gpu_rope_attention.py on the GPU. Larger steps run the two launches, unchanged.
+scripts/gpu_rope_attention.py on the GPU. The engine's leaf launches it at <= FUSED_MAX_ROWS
+rows; larger steps run the two launches, unchanged.
 
-Not measured on a GPU yet. What the compiler says (scripts/triton_aot_check.py --rope-attention,
-sm_90, Llama-3-8B heads): the rotation is rope_write's operations per element (mul.rn x2, neg,
-add.rn, no fma); bf16 takes 247 registers (the split launch 160), no spill; f32 255 registers and
-608 bytes spilled per thread (the split launch 110). The loop over the tiles holding fresh
-positions is what costs them (without it 128 / 112): it is not pipelined (one stage, so no more
-shared memory than the split launch), and its K/V tile and the rows it rotates live in registers.
+Measured (H100, thirty-second session, Llama-3-8B heads, ctx 1024, bf16, µs a layer, one launch /
+two): bs 1 16.9 / 17.9, bs 16 42.9 / 43.8, bs 32 78.7 / 69.9; every bit the two launches' (out,
+both pools: bf16 and f32, merged and not, decode at page boundaries, mixed and padded steps), and
+the goldens unchanged with it planned. Hence FUSED_MAX_ROWS = 16. What the compiler says
+(scripts/triton_aot_check.py --rope-attention, sm_90): the rotation is rope_write's operations per
+element (mul.rn x2, neg, add.rn, no fma); bf16 takes 247 registers (the split launch 160), no
+spill; f32 255 registers and 608 bytes spilled per thread (the split launch 110; f32 not timed).
+The loop over the tiles holding fresh positions is what costs them (without it 128 / 112): it is
+not pipelined (one stage, so no more shared memory than the split launch), and its K/V tile and
+the rows it rotates live in registers -- which is what loses at 32 rows.
 
 Two leaves, each the composition of the two leaves it gives the bits of:
 * `triton_fused_split` (rl-bitwise): triton_fused's rope_write + triton_fixed_split's attention;
@@ -82,6 +87,12 @@ def fresh_rows_torch(tiles, token_req, positions, page, num_pages: int):
     return torch.cat([tiles, rows]).contiguous()
 
 
+# The engine's leaf launches the one kernel at up to this many token rows (a step of 32 ran 13 %
+# slower than the two launches on the H100; 16 and fewer faster). The torch twin launches it at
+# every split-schedule step, so the checks cover 32-row steps too.
+FUSED_MAX_ROWS = 16
+
+
 def _checked(q, k, v, cos, sin, kv):
     """Both leaves' own argument checks (the same refusals as the two launches')."""
     trw._check(q, k, v, cos, sin, kv)
@@ -102,7 +113,7 @@ def rope_paged_triton(q, k, v, cos, sin, kv, page, slot, block_tables, token_req
     attention of triton_wide_prefill (auto's) at steps of more than SPLIT_MAX_ROWS rows."""
     _checked(q, k, v, cos, sin, kv)
     t = q.shape[0]
-    if t == 0 or schedule_for(t) != "split":
+    if t == 0 or t > FUSED_MAX_ROWS or schedule_for(t) != "split":
         q, kv = trw.rope_write_triton(q, k, v, cos, sin, kv, page, slot, merged=merged)
         attend = ta.paged_attention_triton_wide if wide else ta.paged_attention_triton
         return attend(q, kv, block_tables, token_req, positions, scale=scale), kv

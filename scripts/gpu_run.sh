@@ -233,10 +233,11 @@
 #   goldens_record scripts/goldens.py record: tiny, families and production-width goldens on the
 #                  GPU (ids + logprob bits, trainer dumps on CUDA) -> $out/h200.json
 #   goldens_check  scripts/goldens.py check tests/goldens/h200.json: every bit unchanged
-#   rope_attention scripts/gpu_rope_attention.py: RoPE + KV write in the split launch (an experiment):
-#                  bits vs the two launches (a fusion-on control must diverge), device µs one vs two
-#   rope_attention_ab  auto's and rl-bitwise's decode rows (bs 1 / 16) with JENGINE_ATTENTION_ROPE=fused
-#                  and without; goldens_check_rope: the goldens with it (every bit unchanged)
+#   rope_attention scripts/gpu_rope_attention.py: RoPE + KV write in the split launch (planned by
+#                  default at <= 16 rows): bits vs the two launches (a fusion-on control must
+#                  diverge), device µs one vs two
+#   rope_attention_ab  auto's and rl-bitwise's decode rows (bs 1 / 16) with JENGINE_ATTENTION_ROPE=off
+#                  and then as planned; goldens_check_rope_off: the goldens without it
 #   group_alone_ab rl-bitwise's 4096-token prefill today, with q/k/v launched member by member on
 #                  the wide prefill tile (its `grouped` false), and with gate/up alone on a 128 x 256
 #                  tile of its own K chunks too; goldens_check_alone: the goldens with both edits
@@ -349,15 +350,15 @@ for s in "$@"; do
       step gemm_prefill_warps 330 python3 scripts/gpu_gemm_decode_tiles.py --budget-s 300 --iters 5 --bits-rows 1024 --time-rows 4096 --xla --shapes q/o_proj "qkv group" down_proj --candidates 128,256,8,3,serial 128,256,16,3,serial 128,256,16,4,serial --out "$out/gemm_prefill_warps" ;;
     group_members)  # the q/k/v group's one launch against its members alone on the same tile: bits (f32), µs at 512..4096 rows (H100, thirty-first session: alone faster from 1024 rows)
       step group_members 150 python3 scripts/gpu_group_members.py --groups q/k/v --rows 512 1024 2048 4096 --out "$out/group_members" ;;
-    rope_attention)  # an experiment: RoPE + the KV write inside the split attention launch (bits vs the two launches, µs at bs 1 / 16 / 32)
+    rope_attention)  # RoPE + the KV write inside the split attention launch (bits vs the two launches, µs at bs 1 / 16 / 32)
       step rope_attention 400 python3 scripts/gpu_rope_attention.py --out "$out/rope_attention" ;;
-    rope_attention_ab)  # each mode's decode rows with the two launches, then with the fused one
+    rope_attention_ab)  # each mode's decode rows with the two launches, then with the fused one (the default)
       for numerics in auto rl-bitwise; do
         a="--numerics $numerics --iters 20 --batch-sizes 1 16 --long-context 0 --prefill-tokens 0"
-        step "model_${numerics}_rope_two" 120 python3 -m jengine.cli bench --parts model $a --part-timeout 110 --out "$out/model_${numerics}_rope_two"
-        JENGINE_ATTENTION_ROPE=fused step "model_${numerics}_rope_fused" 120 python3 -m jengine.cli bench --parts model $a --part-timeout 110 --out "$out/model_${numerics}_rope_fused"
+        JENGINE_ATTENTION_ROPE=off step "model_${numerics}_rope_two" 120 python3 -m jengine.cli bench --parts model $a --part-timeout 110 --out "$out/model_${numerics}_rope_two"
+        step "model_${numerics}_rope_fused" 120 python3 -m jengine.cli bench --parts model $a --part-timeout 110 --out "$out/model_${numerics}_rope_fused"
       done ;;
-    goldens_check_rope) JENGINE_ATTENTION_ROPE=fused step goldens_check_rope 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
+    goldens_check_rope_off) JENGINE_ATTENTION_ROPE=off step goldens_check_rope_off 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
     group_alone_ab)  # rl-bitwise's prefill (and bs 1) today, q/k/v member by member at M >= 1024, gate/up too
       a="--numerics rl-bitwise --iters 10 --batch-sizes 1 --long-context 0"
       step prefill_rl_grouped 150 python3 -m jengine.cli bench --parts model $a --part-timeout 140 --out "$out/prefill_rl_grouped"

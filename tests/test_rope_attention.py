@@ -1,8 +1,9 @@
-"""The dense layer's fused rope_write + attention path (JENGINE_ATTENTION_ROPE=fused,
-pallas_kernels/rope_attention.py) on the CPU: the portable leaf of the family, which the rl-bitwise
-plan takes there, must give the goldens' bits (tests/goldens/cpu.json, tiny section: page size 4,
-so steps cross pages); a control shows the path is taken and a wrong leaf on it is caught. The
-Triton leaves' own checks: tests/test_triton_rope_attention.py.
+"""The dense layer's fused rope_write + attention path (planned by default;
+JENGINE_ATTENTION_ROPE=off calls the two leaves; pallas_kernels/rope_attention.py) on the CPU: the
+portable leaf of the family, which the rl-bitwise plan takes there, and the two leaves must give
+the goldens' bits (tests/goldens/cpu.json, tiny section: page size 4, so steps cross pages); a
+control shows the path is taken and a wrong leaf on it is caught. The Triton leaves' own checks:
+tests/test_triton_rope_attention.py.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
+import pytest
 
 import pallas_kernels  # noqa: F401  (registers the leaves)
 from pallas_kernels import rope_attention
@@ -25,8 +28,9 @@ import goldens  # noqa: E402
 GOLDEN = json.loads((ROOT / "tests" / "goldens" / "cpu.json").read_text())
 
 
-def test_the_fused_path_keeps_every_golden_bit(monkeypatch):
-    monkeypatch.setenv(rope_attention.ENV, "fused")
+@pytest.mark.parametrize("value", ["fused", "off"])
+def test_the_fused_path_and_the_two_leaves_keep_every_golden_bit(value, monkeypatch):
+    monkeypatch.setenv(rope_attention.ENV, value)
     got = goldens.compute(["tiny"], trainer=False, device="cpu")["tiny"]
     assert goldens.differences(GOLDEN["tiny"], got, "tiny") == []
 

@@ -1,5 +1,5 @@
 """RoPE + the KV write inside the split attention launch (pallas_kernels/triton_rope_attention.py,
-an experiment off by default), on the CPU, under Triton's interpreter.
+planned by default), on the CPU, under Triton's interpreter.
 
 The contract: the one launch gives exactly the bits of the two it replaces -- rope_write's launch
 and then the split attention launch -- on the output and on both pages. Both sides run here under
@@ -252,6 +252,32 @@ def test_steps_past_the_split_schedule_run_the_two_launches():
     assert differences(fused(s), want) == [0, 0, 0]
 
 
+@pytest.mark.parametrize("rows,one_launch", [(1, True), (tra.FUSED_MAX_ROWS, True),
+                                             (tra.FUSED_MAX_ROWS + 1, False),
+                                             (tap.SPLIT_MAX_ROWS, False)])
+def test_the_engines_leaf_launches_one_kernel_up_to_fused_max_rows(rows, one_launch, monkeypatch):
+    """The JAX leaf (a GPU's; its launches recorded here, not run): the one kernel at <=
+    FUSED_MAX_ROWS rows (measured faster there), rope_write's and attention's own leaves above
+    (the one launch was slower at 32 rows). Either way the bits are the two launches'."""
+    import jax.numpy as jnp
+
+    calls = []
+    monkeypatch.setattr(tra, "jax_launch", lambda kernel, inputs, outs, *a, **kw: (
+        calls.append(kernel.__name__) or tuple(jnp.zeros(o.shape, o.dtype) for o in outs)))
+    monkeypatch.setattr(trw, "rope_write_triton", lambda q, k, v, cos, sin, kv, *a, **kw: (
+        calls.append("rope_write") or (q, kv)))
+    monkeypatch.setattr(ta, "paged_attention_triton", lambda q, *a, **kw: (
+        calls.append("attention") or q))
+    s = make_step(8, decode(rows), dtype="bf16")
+    j = {name: jnp.asarray(s[name].float().numpy(), jnp.bfloat16) if s[name].is_floating_point()
+         else jnp.asarray(s[name].numpy()) for name in s if hasattr(s[name], "numpy")}
+    tra.rope_paged_triton(j["q"], j["k"], j["v"], j["cos"], j["sin"],
+                          (j["k_pages"], j["v_pages"]), j["page"], j["slot"], j["table"],
+                          j["req"], j["pos"], scale=SCALE)
+    assert calls == (["attention_rope_split_kernel"] if one_launch else
+                     ["rope_write", "attention"])
+
+
 # -- planning: JENGINE_ATTENTION_ROPE, and only over the leaves a fused leaf composes -----------
 
 INVARIANT = frozenset({"batch_invariant"})
@@ -289,28 +315,30 @@ def _impls(kern):
                  for p in (kern.attention, kern.rope_write, kern.rope_paged))
 
 
-def test_the_switch_plans_each_modes_fused_leaf_and_nothing_when_unset(monkeypatch, on_a_gpu):
-    """Unset (or empty): no fused leaf in either mode. JENGINE_ATTENTION_ROPE=fused: rl-bitwise
-    plans triton_fused_split over its two leaves, auto triton_fused_split_qkv over its own; on
-    the CPU rl-bitwise plans the portable composition and auto (XLA's attention: no fused form)
-    nothing; a head_dim the Triton leaves refuse plans the portable leaves and their
-    composition."""
+def test_the_switch_plans_each_modes_fused_leaf_unless_off(monkeypatch, on_a_gpu):
+    """Unset, empty or JENGINE_ATTENTION_ROPE=fused: rl-bitwise plans triton_fused_split over its
+    two leaves, auto triton_fused_split_qkv over its own; on the CPU rl-bitwise plans the
+    portable composition and auto (XLA's attention: no fused form) nothing; a head_dim the
+    Triton leaves refuse plans the portable leaves and their composition. =off: no fused leaf in
+    either mode."""
     from pallas_kernels import rope_attention
 
-    for unset in (None, ""):
-        if unset is None:
+    for value in (None, "", "fused"):
+        if value is None:
             monkeypatch.delenv(rope_attention.ENV, raising=False)
         else:
-            monkeypatch.setenv(rope_attention.ENV, unset)
-        assert _impls(_kern(INVARIANT))[2] is None and _impls(_kern(frozenset()))[2] is None
-    monkeypatch.setenv(rope_attention.ENV, "fused")
-    assert _impls(_kern(INVARIANT)) == ("triton_fixed_split", "triton_fused",
-                                        "triton_fused_split")
-    assert _impls(_kern(frozenset())) == ("triton_wide_prefill", "triton_fused_qkv",
-                                          "triton_fused_split_qkv")
-    assert _impls(_kern(INVARIANT, "cpu")) == ("fixed_order", "xla", "xla_fixed_order")
-    assert _impls(_kern(frozenset(), "cpu")) == ("xla_native", "xla", None)
-    assert _impls(_kern(INVARIANT, head_dim=96)) == ("fixed_order", "xla", "xla_fixed_order")
+            monkeypatch.setenv(rope_attention.ENV, value)
+        assert _impls(_kern(INVARIANT)) == ("triton_fixed_split", "triton_fused",
+                                            "triton_fused_split")
+        assert _impls(_kern(frozenset())) == ("triton_wide_prefill", "triton_fused_qkv",
+                                              "triton_fused_split_qkv")
+        assert _impls(_kern(INVARIANT, "cpu")) == ("fixed_order", "xla", "xla_fixed_order")
+        assert _impls(_kern(frozenset(), "cpu")) == ("xla_native", "xla", None)
+        assert _impls(_kern(INVARIANT, head_dim=96)) == ("fixed_order", "xla",
+                                                         "xla_fixed_order")
+    monkeypatch.setenv(rope_attention.ENV, "off")
+    for features, hardware in ((INVARIANT, "gpu"), (frozenset(), "gpu"), (INVARIANT, "cpu")):
+        assert _impls(_kern(features, hardware))[2] is None
 
 
 def test_a_fused_leaf_over_other_leaves_is_never_planned(monkeypatch, on_a_gpu):

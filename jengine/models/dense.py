@@ -57,9 +57,9 @@ class ModelKernels:
     # calls those.
     gemm_add_rmsnorm: KernelPlan | None = field(default=None, kw_only=True)
     gemm_swiglu: KernelPlan | None = field(default=None, kw_only=True)
-    # Experimental, planned only when JENGINE_ATTENTION_ROPE=fused asks (pallas_kernels/
-    # rope_attention.py): rope_write and attention as one leaf giving their bits (on a GPU one
-    # launch at decode steps). None: the layer calls the two.
+    # rope_write and attention as one leaf giving their bits (on a GPU one launch at decode
+    # steps of <= 16 rows; pallas_kernels/rope_attention.py). None (JENGINE_ATTENTION_ROPE=off,
+    # or no leaf composes the two planned): the layer calls the two.
     rope_paged: KernelPlan | None = field(default=None, kw_only=True)
 
     @classmethod
