@@ -113,9 +113,10 @@ def engine_states(runner, ids) -> tuple[dict[str, np.ndarray], bool]:
     def instrument(model):
         log: list = []
         kern = model.kernels
-        # The experimental fused leaves (JENGINE_GEMM_EPILOGUES) would hide o_proj's, down_proj's
-        # and gate/up's outputs; they give the separate leaves' bits, so the record runs those.
-        unfused = {name: None for name in ("gemm_add_rmsnorm", "gemm_swiglu")
+        # The fused leaves (JENGINE_GEMM_EPILOGUES; rope_paged, planned by default) would hide
+        # o_proj's, down_proj's, gate/up's and the attention's outputs; they give the separate
+        # leaves' bits, so the record runs those.
+        unfused = {name: None for name in ("gemm_add_rmsnorm", "gemm_swiglu", "rope_paged")
                    if getattr(kern, name, None) is not None}
         model.kernels = dataclasses.replace(kern, **unfused, **{
             f.name: _Recorder(getattr(kern, f.name), f.name, log)
