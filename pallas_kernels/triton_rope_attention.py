@@ -7,12 +7,15 @@ token rows, the split attention launch (triton_attention.py); 32 launches and ga
 never reads back a slot it writes) does both in one, with the two launches' helpers, so the same
 bits: tests/test_triton_rope_attention.py compares it with them under Triton's interpreter, and
 scripts/gpu_rope_attention.py on the GPU. The engine's leaf launches it at <= FUSED_MAX_ROWS
-rows; larger steps run the two launches, unchanged.
+rows over a block table of <= FUSED_MAX_POSITIONS positions; other steps run the two launches,
+unchanged.
 
 Measured (H100, thirty-second session, Llama-3-8B heads, ctx 1024, bf16, µs a layer, one launch /
 two): bs 1 16.9 / 17.9, bs 16 42.9 / 43.8, bs 32 78.7 / 69.9; every bit the two launches' (out,
 both pools: bf16 and f32, merged and not, decode at page boundaries, mixed and padded steps), and
-the goldens unchanged with it planned. Hence FUSED_MAX_ROWS = 16. What the compiler says
+the goldens unchanged with it planned. Hence FUSED_MAX_ROWS = 16. At bs 16 x ctx 8192 the
+model's step ran 0.6-0.8 ms slower with it planned than on another H100 without it (not yet one
+A/B: `rope_attention_ab_long`), hence FUSED_MAX_POSITIONS. What the compiler says
 (scripts/triton_aot_check.py --rope-attention, sm_90): the rotation is rope_write's operations per
 element (mul.rn x2, neg, add.rn, no fma); bf16 takes 247 registers (the split launch 160), no
 spill; f32 255 registers and 608 bytes spilled per thread (the split launch 110; f32 not timed).
@@ -87,10 +90,15 @@ def fresh_rows_torch(tiles, token_req, positions, page, num_pages: int):
     return torch.cat([tiles, rows]).contiguous()
 
 
-# The engine's leaf launches the one kernel at up to this many token rows (a step of 32 ran 13 %
-# slower than the two launches on the H100; 16 and fewer faster). The torch twin launches it at
-# every split-schedule step, so the checks cover 32-row steps too.
+# Where the engine's leaf launches the one kernel: steps of at most FUSED_MAX_ROWS token rows
+# (the runner's bucket: bs 1-16 decode is 16 rows; a step of 32 ran 13 % slower than the two
+# launches on the H100, 16 and fewer faster) whose block table spans at most FUSED_MAX_POSITIONS
+# positions (the runner's page bucket: ctx 1024 is 2048; measured there; bs 16 x ctx 8192 looked
+# slower -- with 247 registers 2 programs an SM stay resident against the split launch's 3, and
+# long contexts keep many programs live). The torch twin launches it at every split-schedule
+# step, so the checks cover the rest.
 FUSED_MAX_ROWS = 16
+FUSED_MAX_POSITIONS = 2048
 
 
 def _checked(q, k, v, cos, sin, kv):
@@ -112,8 +120,9 @@ def rope_paged_triton(q, k, v, cos, sin, kv, page, slot, block_tables, token_req
     """merged: read q / k / v from their concatenation (triton_fused_qkv's layout); wide: the
     attention of triton_wide_prefill (auto's) at steps of more than SPLIT_MAX_ROWS rows."""
     _checked(q, k, v, cos, sin, kv)
-    t = q.shape[0]
-    if t == 0 or t > FUSED_MAX_ROWS or schedule_for(t) != "split":
+    t, positions_held = q.shape[0], kv[0].shape[1] * block_tables.shape[1]
+    if (t == 0 or t > FUSED_MAX_ROWS or positions_held > FUSED_MAX_POSITIONS
+            or schedule_for(t) != "split"):
         q, kv = trw.rope_write_triton(q, k, v, cos, sin, kv, page, slot, merged=merged)
         attend = ta.paged_attention_triton_wide if wide else ta.paged_attention_triton
         return attend(q, kv, block_tables, token_req, positions, scale=scale), kv

@@ -234,10 +234,12 @@
 #                  GPU (ids + logprob bits, trainer dumps on CUDA) -> $out/h200.json
 #   goldens_check  scripts/goldens.py check tests/goldens/h200.json: every bit unchanged
 #   rope_attention scripts/gpu_rope_attention.py: RoPE + KV write in the split launch (planned by
-#                  default at <= 16 rows): bits vs the two launches (a fusion-on control must
+#                  default at <= 16 rows, 2048 positions): bits vs the two launches (a fusion-on control must
 #                  diverge), device µs one vs two
 #   rope_attention_ab  auto's and rl-bitwise's decode rows (bs 1 / 16) with JENGINE_ATTENTION_ROPE=off
-#                  and then as planned; goldens_check_rope_off: the goldens without it
+#                  and then as planned; rope_attention_ab_long: bs 16 x ctx 8192 with the two
+#                  launches and with the fused one forced past FUSED_MAX_POSITIONS;
+#                  goldens_check_rope_off: the goldens without it
 #   group_alone_ab rl-bitwise's 4096-token prefill today, with q/k/v launched member by member on
 #                  the wide prefill tile (its `grouped` false), and with gate/up alone on a 128 x 256
 #                  tile of its own K chunks too; goldens_check_alone: the goldens with both edits
@@ -357,6 +359,16 @@ for s in "$@"; do
         a="--numerics $numerics --iters 20 --batch-sizes 1 16 --long-context 0 --prefill-tokens 0"
         JENGINE_ATTENTION_ROPE=off step "model_${numerics}_rope_two" 120 python3 -m jengine.cli bench --parts model $a --part-timeout 110 --out "$out/model_${numerics}_rope_two"
         step "model_${numerics}_rope_fused" 120 python3 -m jengine.cli bench --parts model $a --part-timeout 110 --out "$out/model_${numerics}_rope_fused"
+      done ;;
+    rope_attention_ab_long)  # bs 16 x ctx 8192 with the two launches, then with the fused one forced (the plan keeps it to <= 2048 positions: a second H100 ran that row 0.8 ms slower with it); ROPE_AB_MODES picks the modes
+      leaf=pallas_kernels/triton_rope_attention.py
+      cp "$leaf" /tmp/rope_leaf.py
+      for numerics in ${ROPE_AB_MODES:-auto rl-bitwise}; do
+        a="--numerics $numerics --iters 20 --batch-sizes 1 --long-context 8192 --prefill-tokens 0"
+        JENGINE_ATTENTION_ROPE=off step "model_${numerics}_long_two" 120 python3 -m jengine.cli bench --parts model $a --part-timeout 110 --out "$out/model_${numerics}_long_two"
+        sed -i 's/^FUSED_MAX_POSITIONS = .*/FUSED_MAX_POSITIONS = 1 << 30/' "$leaf"
+        step "model_${numerics}_long_fused" 120 python3 -m jengine.cli bench --parts model $a --part-timeout 110 --out "$out/model_${numerics}_long_fused"
+        cp /tmp/rope_leaf.py "$leaf"
       done ;;
     goldens_check_rope_off) JENGINE_ATTENTION_ROPE=off step goldens_check_rope_off 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
     group_alone_ab)  # rl-bitwise's prefill (and bs 1) today, q/k/v member by member at M >= 1024, gate/up too

@@ -252,13 +252,18 @@ def test_steps_past_the_split_schedule_run_the_two_launches():
     assert differences(fused(s), want) == [0, 0, 0]
 
 
-@pytest.mark.parametrize("rows,one_launch", [(1, True), (tra.FUSED_MAX_ROWS, True),
-                                             (tra.FUSED_MAX_ROWS + 1, False),
-                                             (tap.SPLIT_MAX_ROWS, False)])
-def test_the_engines_leaf_launches_one_kernel_up_to_fused_max_rows(rows, one_launch, monkeypatch):
+LONGEST = tra.FUSED_MAX_POSITIONS  # a request holding this many positions fills the block table
+
+
+@pytest.mark.parametrize("runs,one_launch", [
+    (decode(1), True), (decode(tra.FUSED_MAX_ROWS), True), (decode(tra.FUSED_MAX_ROWS + 1), False),
+    (decode(tap.SPLIT_MAX_ROWS), False), ([(LONGEST, 1)], True), ([(LONGEST + 1, 1)], False),
+    (decode(tra.FUSED_MAX_ROWS - 1) + [(LONGEST + 1, 1)], False)])
+def test_the_engines_leaf_launches_one_kernel_on_small_short_steps(runs, one_launch, monkeypatch):
     """The JAX leaf (a GPU's; its launches recorded here, not run): the one kernel at <=
-    FUSED_MAX_ROWS rows (measured faster there), rope_write's and attention's own leaves above
-    (the one launch was slower at 32 rows). Either way the bits are the two launches'."""
+    FUSED_MAX_ROWS rows over a block table of <= FUSED_MAX_POSITIONS positions (measured faster
+    there), rope_write's and attention's own leaves otherwise (the one launch was slower at 32
+    rows, and looked slower at 16 x 8192). Either way the bits are the two launches'."""
     import jax.numpy as jnp
 
     calls = []
@@ -268,7 +273,7 @@ def test_the_engines_leaf_launches_one_kernel_up_to_fused_max_rows(rows, one_lau
         calls.append("rope_write") or (q, kv)))
     monkeypatch.setattr(ta, "paged_attention_triton", lambda q, *a, **kw: (
         calls.append("attention") or q))
-    s = make_step(8, decode(rows), dtype="bf16")
+    s = make_step(8, runs, dtype="bf16")
     j = {name: jnp.asarray(s[name].float().numpy(), jnp.bfloat16) if s[name].is_floating_point()
          else jnp.asarray(s[name].numpy()) for name in s if hasattr(s[name], "numpy")}
     tra.rope_paged_triton(j["q"], j["k"], j["v"], j["cos"], j["sin"],

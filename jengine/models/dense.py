@@ -58,8 +58,8 @@ class ModelKernels:
     gemm_add_rmsnorm: KernelPlan | None = field(default=None, kw_only=True)
     gemm_swiglu: KernelPlan | None = field(default=None, kw_only=True)
     # rope_write and attention as one leaf giving their bits (on a GPU one launch at decode
-    # steps of <= 16 rows; pallas_kernels/rope_attention.py). None (JENGINE_ATTENTION_ROPE=off,
-    # or no leaf composes the two planned): the layer calls the two.
+    # steps of <= 16 rows and 2048 positions; pallas_kernels/rope_attention.py). None
+    # (JENGINE_ATTENTION_ROPE=off, or no leaf composes the two planned): the layer calls the two.
     rope_paged: KernelPlan | None = field(default=None, kw_only=True)
 
     @classmethod
