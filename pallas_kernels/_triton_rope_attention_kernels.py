@@ -1,7 +1,8 @@
 """The @triton.jit source of RoPE + the KV write inside the split attention launch (planned by
-default at steps of <= 16 rows and 2048 positions: pallas_kernels/triton_rope_attention.py). One launch where a layer's
-decode step runs two: `rope_write_kernel` (rotates q and k, writes k and v to the pages) and then
-`attention_split_kernel`; both in pallas_kernels/_triton_attention_kernels.py.
+default at steps of <= 16 rows and 2048 positions: pallas_kernels/triton_rope_attention.py). One
+launch where a layer's decode step runs two: `rope_write_kernel` (rotates q and k, writes k and v
+to the pages) and then `attention_split_kernel`; both in
+pallas_kernels/_triton_attention_kernels.py.
 
 The bits must be the two launches' exactly, so this kernel runs their helpers: the same `rope`
 (three rounded operations per element), the same tile loop body (`_pool_tile`, `_online_step`),
