@@ -10,7 +10,7 @@ decode step of 1 and as fast at 16 rows, every golden bit unchanged: docs/perfor
 A leaf of this family gives, bit for bit, the two leaves it composes and names them in a feature
 (`composes`, the mechanics of pallas_kernels/gemm_epilogues.py): a model plans it only as the
 composition of exactly the rope_write and attention leaves it planned anyway (`plan_fused`), so
-it can never move a bit. ``JENGINE_ATTENTION_ROPE=off`` (`requested`) makes the layer call the
+it can never move a bit. ``JENGINE_ATTENTION_ROPE=off`` (`form`) makes the layer call the
 two leaves (an A/B's "before"). The portable leaf here exists so that the layer's fused path runs
 (and is tested) on every machine.
 """
@@ -41,14 +41,15 @@ def _rope_paged_signature(q, k, v, cos, sin, kv, page, slot, block_tables, token
 declare_family("attention", "rope_paged", _rope_paged_signature)
 
 
-def requested() -> bool:
-    """Whether a model plans this family: yes unless JENGINE_ATTENTION_ROPE=off (unset, empty or
-    "fused": yes). Another value is an error naming the variable and the value."""
-    value = os.environ.get(ENV, "")
+def form() -> str:
+    """JENGINE_ATTENTION_ROPE as set: "" (unset or empty: the fused leaf), "fused" (asked for
+    explicitly) or "off" (the two leaves). Another value is an error naming the variable and the
+    value."""
+    value = os.environ.get(ENV) or ""
     if value and value not in FORMS:
         raise ValueError(f"{ENV}={value!r}: expected one of {list(FORMS)} (unset: fused; off: "
                          "the separate rope_write and attention leaves)")
-    return value != "off"
+    return value
 
 
 def plan_fused(plans: dict, *, geometry=None, **kw) -> dict:
@@ -57,7 +58,8 @@ def plan_fused(plans: dict, *, geometry=None, **kw) -> dict:
     layer calls the two leaves (logged as a warning where ENV=fused asked explicitly: e.g. auto
     on the CPU, whose XLA attention has no fused form). kw: the model's plan arguments (formats,
     hardware, features); geometry: the attention leaves' (head_dim)."""
-    if not requested():
+    asked = form()
+    if asked == "off":
         return {}
     feature = composes(attention=plans["attention"].leaf.impl,
                        rope_write=plans["rope_write"].leaf.impl)
@@ -65,7 +67,7 @@ def plan_fused(plans: dict, *, geometry=None, **kw) -> dict:
         return {"rope_paged": plan("attention", "rope_paged", geometry=geometry,
                                    **{**kw, "features": {*kw["features"], feature}})}
     except KernelPlanError as exc:
-        log = logger.warning if os.environ.get(ENV) == "fused" else logger.debug
+        log = logger.warning if asked == "fused" else logger.debug
         log("%s: rope_paged not planned: no leaf declares %s (%s)", ENV, feature, exc)
         return {}
 

@@ -11,17 +11,17 @@ rows over a block table of <= FUSED_MAX_POSITIONS positions; other steps run the
 unchanged.
 
 Measured (H100, thirty-second session, Llama-3-8B heads, ctx 1024, bf16, µs a layer, one launch /
-two): bs 1 16.9 / 17.9, bs 16 42.9 / 43.8, bs 32 78.7 / 69.9; every bit the two launches' (out,
-both pools: bf16 and f32, merged and not, decode at page boundaries, mixed and padded steps), and
-the goldens unchanged with it planned. Hence FUSED_MAX_ROWS = 16. At bs 16 x ctx 8192 the
-model's step ran 0.6-0.8 ms slower with it planned than on another H100 without it (not yet one
-A/B: `rope_attention_ab_long`), hence FUSED_MAX_POSITIONS. What the compiler says
-(scripts/triton_aot_check.py --rope-attention, sm_90): the rotation is rope_write's operations per
-element (mul.rn x2, neg, add.rn, no fma); bf16 takes 247 registers (the split launch 160), no
-spill; f32 255 registers and 608 bytes spilled per thread (the split launch 110; f32 not timed).
-The loop over the tiles holding fresh positions is what costs them (without it 128 / 112): it is
-not pipelined (one stage, so no more shared memory than the split launch), and its K/V tile and
-the rows it rotates live in registers -- which is what loses at 32 rows.
+two): bs 1 16.9 / 17.9, bs 16 42.9 / 43.8, bs 32 78.7 / 69.9; every bit the two launches' (out, both
+pools: bf16 and f32, merged and not, decode at page boundaries, mixed and padded steps), and the
+goldens unchanged with it planned. Hence FUSED_MAX_ROWS = 16. At bs 16 x ctx 8192 the model's step
+runs slower with it (one H100, thirty-third session, `rope_attention_ab_long`, pipelined ms two
+launches / fused: auto 13.10 / 13.89, rl-bitwise 13.54 / 14.08), hence FUSED_MAX_POSITIONS. What the
+compiler says (scripts/triton_aot_check.py --rope-attention, sm_90): the rotation is rope_write's
+operations per element (mul.rn x2, neg, add.rn, no fma); bf16 takes 247 registers (the split launch
+160), no spill; f32 255 registers and 608 bytes spilled per thread (the split launch 110; f32 not
+timed). The loop over the tiles holding fresh positions is what costs them (without it 128 / 112):
+it is not pipelined (one stage, so no more shared memory than the split launch), and its K/V tile
+and the rows it rotates live in registers -- which is what loses at 32 rows.
 
 Two leaves, each the composition of the two leaves it gives the bits of:
 * `triton_fused_split` (rl-bitwise): triton_fused's rope_write + triton_fixed_split's attention;
@@ -93,9 +93,9 @@ def fresh_rows_torch(tiles, token_req, positions, page, num_pages: int):
 # Where the engine's leaf launches the one kernel: steps of at most FUSED_MAX_ROWS token rows
 # (the runner's bucket: bs 1-16 decode is 16 rows; a step of 32 ran 13 % slower than the two
 # launches on the H100, 16 and fewer faster) whose block table spans at most FUSED_MAX_POSITIONS
-# positions (the runner's page bucket: ctx 1024 is 2048; measured there; bs 16 x ctx 8192 looked
-# slower -- with 247 registers 2 programs an SM stay resident against the split launch's 3, and
-# long contexts keep many programs live). The torch twin launches it at every split-schedule
+# positions (the runner's page bucket: ctx 1024 is 2048; measured there; bs 16 x ctx 8192 ran
+# 4-6 % slower -- with 247 registers 2 programs an SM stay resident against the split launch's 3,
+# and long contexts keep many programs live). The torch twin launches it at every split-schedule
 # step, so the checks cover the rest.
 FUSED_MAX_ROWS = 16
 FUSED_MAX_POSITIONS = 2048

@@ -296,15 +296,16 @@ with_tiles() {  # with_tiles PY CMD...: CMD with the tile file edited by PY (a s
   "$@"
   cp /tmp/tiles.json.bak "$tiles"
 }
-with_plan_edit() {  # with_plan_edit SED CMD...: CMD with the attention plan's source edited by SED
-  # (refused if it changes nothing), the file restored after
-  local plan=pallas_kernels/triton_attention_plan.py edit=$1; shift
-  cp "$plan" /tmp/plan.py.bak
-  sed -i "$edit" "$plan"
-  if cmp -s "$plan" /tmp/plan.py.bak; then echo "with_plan_edit: '$edit' changed nothing" >&2; return 1; fi
+with_source_edit() {  # with_source_edit FILE SED CMD...: CMD with FILE edited by SED (refused if
+  # it changes nothing), the file restored after -- an A/B's other arm without a second checkout
+  local file=$1 edit=$2; shift 2
+  cp "$file" /tmp/source_edit.bak
+  sed -i "$edit" "$file"
+  if cmp -s "$file" /tmp/source_edit.bak; then echo "with_source_edit: '$edit' changed nothing in $file" >&2; return 1; fi
   "$@"
-  cp /tmp/plan.py.bak "$plan"
+  cp /tmp/source_edit.bak "$file"
 }
+with_plan_edit() { with_source_edit pallas_kernels/triton_attention_plan.py "$@"; }
 # The Llama-3-8B entries' own tiles (the prefill's: M > 256) on the flat-K serial schedule: the same
 # K chunks, so the same bits (_triton_gemm_kernels._gemm_flat); split_at_every_m off so M = 4096
 # runs it.
@@ -360,15 +361,12 @@ for s in "$@"; do
         JENGINE_ATTENTION_ROPE=off step "model_${numerics}_rope_two" 120 python3 -m jengine.cli bench --parts model $a --part-timeout 110 --out "$out/model_${numerics}_rope_two"
         step "model_${numerics}_rope_fused" 120 python3 -m jengine.cli bench --parts model $a --part-timeout 110 --out "$out/model_${numerics}_rope_fused"
       done ;;
-    rope_attention_ab_long)  # bs 16 x ctx 8192 with the two launches, then with the fused one forced (the plan keeps it to <= 2048 positions: a second H100 ran that row 0.8 ms slower with it); ROPE_AB_MODES picks the modes
-      leaf=pallas_kernels/triton_rope_attention.py
-      cp "$leaf" /tmp/rope_leaf.py
+    rope_attention_ab_long)  # bs 16 x ctx 8192 with the two launches, then with the fused one forced past FUSED_MAX_POSITIONS (H100, thirty-third session: 0.5-0.8 ms slower, hence the limit); ROPE_AB_MODES picks the modes
       for numerics in ${ROPE_AB_MODES:-auto rl-bitwise}; do
         a="--numerics $numerics --iters 20 --batch-sizes 1 --long-context 8192 --prefill-tokens 0"
         JENGINE_ATTENTION_ROPE=off step "model_${numerics}_long_two" 120 python3 -m jengine.cli bench --parts model $a --part-timeout 110 --out "$out/model_${numerics}_long_two"
-        sed -i 's/^FUSED_MAX_POSITIONS = .*/FUSED_MAX_POSITIONS = 1 << 30/' "$leaf"
-        step "model_${numerics}_long_fused" 120 python3 -m jengine.cli bench --parts model $a --part-timeout 110 --out "$out/model_${numerics}_long_fused"
-        cp /tmp/rope_leaf.py "$leaf"
+        with_source_edit pallas_kernels/triton_rope_attention.py 's/^FUSED_MAX_POSITIONS = .*/FUSED_MAX_POSITIONS = 1 << 30  # gpu_run.sh edit/' \
+          step "model_${numerics}_long_fused" 120 python3 -m jengine.cli bench --parts model $a --part-timeout 110 --out "$out/model_${numerics}_long_fused"
       done ;;
     goldens_check_rope_off) JENGINE_ATTENTION_ROPE=off step goldens_check_rope_off 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
     group_alone_ab)  # rl-bitwise's prefill (and bs 1) today, q/k/v member by member at M >= 1024, gate/up too

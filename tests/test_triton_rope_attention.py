@@ -367,6 +367,25 @@ def test_a_fused_leaf_over_other_leaves_is_never_planned(monkeypatch, on_a_gpu):
             REGISTRY.unregister("attention", "rope_paged", "standin")
 
 
+def test_a_miss_warns_only_where_fused_was_asked_for(monkeypatch, caplog):
+    """auto on the CPU (XLA's attention: no fused form) plans no fused leaf: a warning naming the
+    variable where JENGINE_ATTENTION_ROPE=fused asked for it, nothing at the default (unset)."""
+    import logging
+
+    from pallas_kernels import rope_attention
+
+    for value, warned in (("fused", True), (None, False)):
+        if value is None:
+            monkeypatch.delenv(rope_attention.ENV, raising=False)
+        else:
+            monkeypatch.setenv(rope_attention.ENV, value)
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger=rope_attention.__name__):
+            assert _impls(_kern(frozenset(), "cpu"))[2] is None
+        levels = {r.levelno for r in caplog.records if "rope_paged not planned" in r.getMessage()}
+        assert levels == ({logging.WARNING} if warned else {logging.DEBUG}), (value, levels)
+
+
 def test_an_unknown_value_is_refused_naming_the_variable_and_value(monkeypatch):
     from pallas_kernels import rope_attention
 
