@@ -144,7 +144,15 @@ def _pool_tile(k_ptr, v_ptr, split_pages, first, c, mask, req, bt_ptr, page_size
     pages; zeros where `mask` is false."""
     d = tl.arange(0, D)
     if PAGES > 0:
-        page = tl.gather(split_pages, c // page_size - first, 0)
+        # The two asserts compile only with Triton's debug on (TRITON_DEBUG=1: gpu_run.sh
+        # pages_crash, where a launch faults): the window index in range, each gathered id the
+        # block table's.
+        at = c // page_size - first
+        tl.device_assert((at >= 0) & (at < PAGES), "attention: page window index out of range")
+        page = tl.gather(split_pages, at, 0)
+        tl.device_assert(page == tl.load(bt_ptr + req * table_width + c // page_size, mask=mask,
+                                         other=0), "attention: gathered page id differs from the "
+                         "block table's", mask=mask)
     else:
         page = tl.load(bt_ptr + req * table_width + c // page_size, mask=mask, other=0)
     slot = c % page_size

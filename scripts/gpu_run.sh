@@ -140,7 +140,8 @@
 #                  (BLOCK_N 64))
 #   pages_crash    auto's wide tile at SPLIT 512 with the page ids per split (an illegal memory
 #                  access on the H200 and the H100): each suspect launch in its own process,
-#                  CUDA_LAUNCH_BLOCKING=1; the error names the launch that failed
+#                  CUDA_LAUNCH_BLOCKING=1 and TRITON_DEBUG=1 (the page window's device asserts);
+#                  then compute-sanitizer's memcheck where the machine has it
 #   pages_ab_auto / pages_ab_rl  a mode's model rows (decode bs 1 / 64 / 256, the 4096-token
 #                  prefill) with the page ids per tile and as planned, in one call
 #   goldens_check_pages  the H200 goldens with the page ids per split in every launch
@@ -557,10 +558,19 @@ for s in "$@"; do
       step attention_split_pages 150 python3 scripts/gpu_attention_split.py --pages-ab --configs 4,2 4,3 4,4 4,3,0,0,128 4,3,0,0,64 --out "$out/attention_split_pages"
       step attention_serial_pages 240 python3 scripts/gpu_attention_split.py --serial --pages-ab --configs 4,2 4,3 4,4 4,3,0,0,0,128 4,2,16,32 4,3,16,32 4,2,16,64 4,3,16,64 4,4,16,64 8,3,16,64 --out "$out/attention_serial_pages" ;;
     pages_crash)  # auto's wide tile at SPLIT 512 with the page ids per split hit an illegal memory
-      # access (twenty-second and twenty-third sessions): each suspect alone, launches synchronous
+      # access (twenty-second, twenty-third and thirty-second sessions): each suspect alone,
+      # launches synchronous, with Triton's debug on (TRITON_DEBUG=1 compiles _pool_tile's asserts:
+      # the page window index, each gathered page id against the block table's; and Triton's
+      # integer overflow checks), then the first under compute-sanitizer's memcheck where the
+      # machine has it (the faulting access's address and instruction)
       for cfg in 4,3,16,64,512 4,2,16,64,512 4,3,0,0,512 4,3,16,32,512; do
-        CUDA_LAUNCH_BLOCKING=1 step "pages_crash_${cfg//,/_}" 90 python3 scripts/gpu_attention_split.py --serial --pages-ab --configs "$cfg" --out "$out/pages_crash_${cfg//,/_}"
-      done ;;
+        TRITON_DEBUG=1 CUDA_LAUNCH_BLOCKING=1 step "pages_crash_${cfg//,/_}" 90 python3 scripts/gpu_attention_split.py --serial --pages-ab --configs "$cfg" --out "$out/pages_crash_${cfg//,/_}"
+      done
+      if command -v compute-sanitizer > /dev/null; then
+        step pages_crash_memcheck 200 compute-sanitizer --tool memcheck --print-limit 20 python3 scripts/gpu_attention_split.py --serial --pages-ab --configs 4,3,16,64,512 --out "$out/pages_crash_memcheck"
+      else
+        echo "pages_crash: no compute-sanitizer on this machine" | tee "$out/pages_crash_memcheck.log"
+      fi ;;
     pages_ab_auto|pages_ab_rl)  # a mode's model rows with the page ids per tile and as planned (the default), on one machine
       numerics=auto; [ "$s" = pages_ab_rl ] && numerics=rl-bitwise
       JENGINE_ATTENTION_PAGES=tile step "model_${numerics}_pages_tile" 200 python3 -m jengine.cli bench --parts model --numerics "$numerics" --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_${numerics}_pages_tile"

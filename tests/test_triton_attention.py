@@ -592,3 +592,37 @@ def test_negative_control_other_page_ids_fail_the_comparison(setup, monkeypatch)
     moved = _page_launches(setup, tables)
     differ = [count_bit_differences(a, b) for a, b in zip(today, moved)]
     assert all(n > 0 for n in differ[:3] + differ[4:]) and differ[3] == 0, differ
+
+
+@pytest.fixture
+def triton_debug(monkeypatch):
+    """The interpreter with Triton's debug on (device asserts evaluated, as TRITON_DEBUG=1
+    compiles them on the GPU: gpu_run.sh pages_crash)."""
+    from triton.runtime import interpreter
+
+    monkeypatch.setattr(interpreter.interpreter_builder, "options",
+                        interpreter.InterpreterOptions(debug=True))
+
+
+def test_the_page_window_asserts_pass_on_every_launch(setup, monkeypatch, triton_debug):
+    """With debug on, every page-ids-per-split launch checks each tile's window index and that
+    each gathered page id is the block table's: none fires, and the bits are those of the page
+    ids per tile."""
+    monkeypatch.setattr(tap, "WIDE_MIN_TOKENS", 40)
+    monkeypatch.setenv(tap.PAGES_ENV, "tile")
+    tile = _page_launches(setup, setup[2])
+    monkeypatch.setenv(tap.PAGES_ENV, "split")
+    outs = _page_launches(setup, setup[2])
+    assert [count_bit_differences(a, b) for a, b in zip(tile, outs)] == [0] * 5
+
+
+def test_negative_control_a_short_page_window_fires_its_assert(setup, monkeypatch, triton_debug):
+    """The window assert can fire: launches given half the pages a split spans."""
+    monkeypatch.setattr(tap, "WIDE_MIN_TOKENS", 40)
+    monkeypatch.setenv(tap.PAGES_ENV, "split")
+    whole = tap.pages_per_split
+    monkeypatch.setattr(tap, "pages_per_split", lambda *a, **kw: whole(*a, **kw) // 2)
+    from triton.runtime.errors import InterpreterError
+
+    with pytest.raises(InterpreterError, match="page window index out of range"):
+        _page_launches(setup, setup[2])
