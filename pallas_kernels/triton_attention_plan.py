@@ -62,7 +62,7 @@ KV_TILES = (BLOCK_N, DEFAULT_KV_TILE)
 # stages (949.3 -> 915.7; on 3 stages 1346.8). Not planned anywhere: a wide tile at SPLIT 512 with
 # the page ids per split faulted (illegal memory access, H200 and H100: the window's tl.gather read
 # shared memory past its window, compute-sanitizer, thirty-third session; its index is clamped
-# since, not yet re-run on the GPU: gpu_run.sh pages_clamp_ab).
+# since, not yet re-run on the GPU: gpu_run.sh pages_clamp).
 PAGES_ENV, PAGES_STAGES, PAGES_MAXNREG = "JENGINE_ATTENTION_PAGES", 3, 128
 PAGES_FORMS = ("planned", "tile", "split")
 # The split launch's merge (its last program per tile folds the stored splits in a chain of loads)

@@ -142,8 +142,9 @@
 #                  access on the H200 and the H100): each suspect launch in its own process,
 #                  CUDA_LAUNCH_BLOCKING=1 and TRITON_DEBUG=1 (the page window's device asserts);
 #                  then compute-sanitizer's memcheck where the machine has it
-#   pages_clamp_ab the same configs with the page window's gather index clamped (no fault expected;
-#                  rows vs page ids per tile), then both modes' decode rows without and with it
+#   pages_clamp    the same configs with the page window's gather index clamped (no fault expected;
+#                  rows vs page ids per tile); pages_clamp_ab: both modes' decode rows without and
+#                  with the clamp
 #   pages_ab_auto / pages_ab_rl  a mode's model rows (decode bs 1 / 64 / 256, the 4096-token
 #                  prefill) with the page ids per tile and as planned, in one call
 #   goldens_check_pages  the H200 goldens with the page ids per split in every launch
@@ -573,8 +574,9 @@ for s in "$@"; do
       else
         echo "pages_crash: no compute-sanitizer on this machine" | tee "$out/pages_crash_memcheck.log"
       fi ;;
-    pages_clamp_ab)  # the page window's clamped gather (thirty-third session): the configs pages_crash faults on, then both modes' decode rows without the clamp and with it
-      CUDA_LAUNCH_BLOCKING=1 step pages_fixed 150 python3 scripts/gpu_attention_split.py --serial --pages-ab --configs 4,3,16,64,512 4,2,16,64,512 4,3,16,32,512 --out "$out/pages_fixed"
+    pages_clamp)  # the page window's clamped gather (thirty-third session) on the configs pages_crash faults on: rows vs the page ids per tile
+      CUDA_LAUNCH_BLOCKING=1 step pages_fixed 150 python3 scripts/gpu_attention_split.py --serial --pages-ab --configs 4,3,16,64,512 4,2,16,64,512 4,3,16,32,512 --out "$out/pages_fixed" ;;
+    pages_clamp_ab)  # both modes' decode rows without the clamp and with it
       a="--parts model --iters 20 --batch-sizes 1 64 256 --long-context 0 --prefill-tokens 0 --part-timeout 110"
       with_source_edit pallas_kernels/_triton_attention_kernels.py 's/tl.gather(split_pages, tl.minimum(tl.maximum(at, 0), PAGES - 1), 0)/tl.gather(split_pages, at, 0)/' \
         step model_noclamp 240 python3 -m jengine.cli bench $a --out "$out/model_noclamp"
