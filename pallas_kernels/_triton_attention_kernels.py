@@ -149,11 +149,11 @@ def _pool_tile(k_ptr, v_ptr, split_pages, first, c, mask, req, bt_ptr, page_size
         # block table's.
         at = c // page_size - first
         tl.device_assert((at >= 0) & (at < PAGES), "attention: page window index out of range")
-        # Clamped although every tile's index is in range (the assert): compute-sanitizer found
-        # the gather reading shared memory far past its window in launches at SPLIT 512 (no
-        # engine launch), with the assert silent -- i.e. on lanes no tile reads, as a pipelined
-        # loop's iterations past its end. A clamp leaves every index a tile reads as it is.
-        page = tl.gather(split_pages, tl.minimum(tl.maximum(at, 0), PAGES - 1), 0)
+        # compute-sanitizer found this gather reading shared memory past its window at SPLIT 512
+        # (no engine launch), the assert above silent. A clamp of `at` to [0, PAGES) is the
+        # candidate fix (gpu_run.sh pages_clamp applies it); not in the engine's launches until
+        # a GPU run shows it fixes the fault and keeps the goldens.
+        page = tl.gather(split_pages, at, 0)
         tl.device_assert(page == tl.load(bt_ptr + req * table_width + c // page_size, mask=mask,
                                          other=0), "attention: gathered page id differs from the "
                          "block table's", mask=mask)

@@ -61,8 +61,8 @@ KV_TILES = (BLOCK_N, DEFAULT_KV_TILE)
 # +0.9 / +1.0 ms pipelined in both modes); auto's wide tile (64-position KV tiles) on NUM_STAGES
 # stages (949.3 -> 915.7; on 3 stages 1346.8). Not planned anywhere: a wide tile at SPLIT 512 with
 # the page ids per split faulted (illegal memory access, H200 and H100: the window's tl.gather read
-# shared memory past its window, compute-sanitizer, thirty-third session; its index is clamped
-# since, not yet re-run on the GPU: gpu_run.sh pages_clamp).
+# shared memory past its window, compute-sanitizer, thirty-third session; the candidate fix, its
+# index clamped, is gpu_run.sh pages_clamp's source edit, not yet run).
 PAGES_ENV, PAGES_STAGES, PAGES_MAXNREG = "JENGINE_ATTENTION_PAGES", 3, 128
 PAGES_FORMS = ("planned", "tile", "split")
 # The split launch's merge (its last program per tile folds the stored splits in a chain of loads)

@@ -142,9 +142,10 @@
 #                  access on the H200 and the H100): each suspect launch in its own process,
 #                  CUDA_LAUNCH_BLOCKING=1 and TRITON_DEBUG=1 (the page window's device asserts);
 #                  then compute-sanitizer's memcheck where the machine has it
-#   pages_clamp    the same configs with the page window's gather index clamped (no fault expected;
-#                  rows vs page ids per tile); pages_clamp_ab: both modes' decode rows without and
-#                  with the clamp
+#   pages_clamp    the same configs with the page window's gather index clamped (a source edit: the
+#                  candidate fix; no fault expected; rows vs page ids per tile);
+#                  goldens_check_clamp: the goldens with it; pages_clamp_ab: both modes' decode
+#                  rows without and with it
 #   pages_ab_auto / pages_ab_rl  a mode's model rows (decode bs 1 / 64 / 256, the 4096-token
 #                  prefill) with the page ids per tile and as planned, in one call
 #   goldens_check_pages  the H200 goldens with the page ids per split in every launch
@@ -315,6 +316,7 @@ with_plan_edit() { with_source_edit pallas_kernels/triton_attention_plan.py "$@"
 # runs it.
 # The prefill GEMMs member by member (group_alone_ab): q/k/v on the wide tile ungrouped, then
 # gate/up (k_split 2) on a 128 x 256 flat-K tile of its own from M = 1024, also ungrouped.
+CLAMP='s/tl.gather(split_pages, at, 0)/tl.gather(split_pages, tl.minimum(tl.maximum(at, 0), PAGES - 1), 0)/'  # pages_clamp's candidate fix
 QKV_ALONE="d['tiles']['bf16_k4_flat_wide'].update(grouped=False)"
 GATE_UP_WIDE="d['tiles']['bf16_k2_flat_wide'] = dict(d['tiles']['bf16_k4_flat_wide'], k_split=2, grouped=False); [e.update(tile='bf16_k2_flat_wide', by_m=e['by_m'] + [dict(max_m=1023, tile='bf16_k2')]) for e in d['tables']['llama3-8b-h200']['entries'] if e['tile'] == 'bf16_k2']"
 FLAT_K_ENTRIES="[d['tiles'][n].update(flat_k=True, split_at_every_m=False) for n in ('bf16_k4_split', 'bf16_k2')]"
@@ -574,13 +576,15 @@ for s in "$@"; do
       else
         echo "pages_crash: no compute-sanitizer on this machine" | tee "$out/pages_crash_memcheck.log"
       fi ;;
-    pages_clamp)  # the page window's clamped gather (thirty-third session) on the configs pages_crash faults on: rows vs the page ids per tile
-      CUDA_LAUNCH_BLOCKING=1 step pages_fixed 150 python3 scripts/gpu_attention_split.py --serial --pages-ab --configs 4,3,16,64,512 4,2,16,64,512 4,3,16,32,512 --out "$out/pages_fixed" ;;
-    pages_clamp_ab)  # both modes' decode rows without the clamp and with it
+    pages_clamp)  # the page window's gather index clamped to [0, PAGES) (thirty-third session's candidate fix, a source edit here) on the configs pages_crash faults on: rows vs the page ids per tile
+      CUDA_LAUNCH_BLOCKING=1 with_source_edit pallas_kernels/_triton_attention_kernels.py "$CLAMP" \
+        step pages_fixed 150 python3 scripts/gpu_attention_split.py --serial --pages-ab --configs 4,3,16,64,512 4,2,16,64,512 4,3,16,32,512 --out "$out/pages_fixed" ;;
+    goldens_check_clamp) with_source_edit pallas_kernels/_triton_attention_kernels.py "$CLAMP" step goldens_check_clamp 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
+    pages_clamp_ab)  # both modes' decode rows as in main, then with the clamp
       a="--parts model --iters 20 --batch-sizes 1 64 256 --long-context 0 --prefill-tokens 0 --part-timeout 110"
-      with_source_edit pallas_kernels/_triton_attention_kernels.py 's/tl.gather(split_pages, tl.minimum(tl.maximum(at, 0), PAGES - 1), 0)/tl.gather(split_pages, at, 0)/' \
-        step model_noclamp 240 python3 -m jengine.cli bench $a --out "$out/model_noclamp"
-      step model_clamp 240 python3 -m jengine.cli bench $a --out "$out/model_clamp" ;;
+      step model_noclamp 240 python3 -m jengine.cli bench $a --out "$out/model_noclamp"
+      with_source_edit pallas_kernels/_triton_attention_kernels.py "$CLAMP" \
+        step model_clamp 240 python3 -m jengine.cli bench $a --out "$out/model_clamp" ;;
     pages_ab_auto|pages_ab_rl)  # a mode's model rows with the page ids per tile and as planned (the default), on one machine
       numerics=auto; [ "$s" = pages_ab_rl ] && numerics=rl-bitwise
       JENGINE_ATTENTION_PAGES=tile step "model_${numerics}_pages_tile" 200 python3 -m jengine.cli bench --parts model --numerics "$numerics" --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_${numerics}_pages_tile"
