@@ -311,12 +311,13 @@ with_source_edit() {  # with_source_edit FILE SED CMD...: CMD with FILE edited b
   cp /tmp/source_edit.bak "$file"
 }
 with_plan_edit() { with_source_edit pallas_kernels/triton_attention_plan.py "$@"; }
+# pages_clamp's candidate fix for pages_crash: the page window's gather index clamped to [0, PAGES).
+CLAMP='s/tl.gather(split_pages, at, 0)/tl.gather(split_pages, tl.minimum(tl.maximum(at, 0), PAGES - 1), 0)/'
 # The Llama-3-8B entries' own tiles (the prefill's: M > 256) on the flat-K serial schedule: the same
 # K chunks, so the same bits (_triton_gemm_kernels._gemm_flat); split_at_every_m off so M = 4096
 # runs it.
 # The prefill GEMMs member by member (group_alone_ab): q/k/v on the wide tile ungrouped, then
 # gate/up (k_split 2) on a 128 x 256 flat-K tile of its own from M = 1024, also ungrouped.
-CLAMP='s/tl.gather(split_pages, at, 0)/tl.gather(split_pages, tl.minimum(tl.maximum(at, 0), PAGES - 1), 0)/'  # pages_clamp's candidate fix
 QKV_ALONE="d['tiles']['bf16_k4_flat_wide'].update(grouped=False)"
 GATE_UP_WIDE="d['tiles']['bf16_k2_flat_wide'] = dict(d['tiles']['bf16_k4_flat_wide'], k_split=2, grouped=False); [e.update(tile='bf16_k2_flat_wide', by_m=e['by_m'] + [dict(max_m=1023, tile='bf16_k2')]) for e in d['tables']['llama3-8b-h200']['entries'] if e['tile'] == 'bf16_k2']"
 FLAT_K_ENTRIES="[d['tiles'][n].update(flat_k=True, split_at_every_m=False) for n in ('bf16_k4_split', 'bf16_k2')]"
