@@ -2,8 +2,9 @@
 
 Here: the helpers every kernel shares (libdevice exp / rsqrt, the exact f32 multiply, the arrival
 counter, the halving tree) and the norm, SiLU and block_sumexp kernels. The GEMM's kernels are in
-_triton_gemm_kernels.py, the attention's in _triton_attention_kernels.py and MLA's in
-_triton_mla_kernels.py, each beside the helpers it takes from here.
+_triton_gemm_kernels.py, the attention's in _triton_attention_kernels.py, RoPE + the KV write's in
+_triton_rope_write_kernels.py (the two in one launch: _triton_rope_attention_kernels.py) and
+MLA's in _triton_mla_kernels.py, each beside the helpers it takes from here.
 
 This module imports triton at the top, so only the leaf modules (triton_gemm.py, triton_norm.py,
 triton_activation.py, triton_sampling.py) import it, lazily, on first call. Everything here is a

@@ -41,8 +41,9 @@ import triton.language as tl
 
 from pallas_kernels._triton_attention_kernels import (_merge_partials, _online_step, _pool_tile,
                                                       _split_pages, _store_out, _store_partials,
-                                                      _tile, _tile_rows, rope)
+                                                      _tile, _tile_rows)
 from pallas_kernels._triton_kernels import last_to_arrive
+from pallas_kernels._triton_rope_write_kernels import rope
 
 
 @triton.jit

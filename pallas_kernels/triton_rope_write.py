@@ -38,9 +38,9 @@ NUM_WARPS = 4
 
 
 def kernels():
-    from pallas_kernels import _triton_attention_kernels
+    from pallas_kernels import _triton_rope_write_kernels
 
-    return _triton_attention_kernels
+    return _triton_rope_write_kernels
 
 
 def head_dim_supported(d) -> bool:

@@ -202,6 +202,7 @@ def attention_kernels():
     kernels and the rope_write leaf's, for the Llama-3-8B heads (32 q / 8 kv, D 128) and the tiny
     model's, bf16 and f32."""
     from pallas_kernels import _triton_attention_kernels as K
+    from pallas_kernels import _triton_rope_write_kernels as RW
     from pallas_kernels import triton_attention_plan as tap
 
     for (hq, hkv, d) in ((32, 8, 128), (4, 2, 16)):
@@ -268,7 +269,7 @@ def attention_kernels():
                     **{p: f"*{dtype}" for p in ("q_out_ptr", "kc_out_ptr", "vc_out_ptr")}}
             for qkv in (False, True) if (hq, dtype) == (32, "bf16") else (False,):
                 yield (f"rope_write hq={hq} hkv={hkv} D={d} {dtype}" + (" qkv" if qkv else ""),
-                       K.rope_write_kernel, rope,
+                       RW.rope_write_kernel, rope,
                        dict(HQ=hq, HKV=hkv, HQP=hq, HKVP=hkv, D=d, QKV=qkv), (4, 1, False))
     yield from rope_attention_kernels()
 
@@ -422,10 +423,10 @@ def rope_attention_report() -> int:
     import inspect
     from collections import Counter
 
-    from pallas_kernels import _triton_attention_kernels as K
+    from pallas_kernels import _triton_rope_write_kernels as RW
 
-    body, first = inspect.getsourcelines(K.rope.fn)
-    path, lines = inspect.getsourcefile(K.rope.fn), range(first, first + len(body))
+    body, first = inspect.getsourcelines(RW.rope.fn)
+    path, lines = inspect.getsourcefile(RW.rope.fn), range(first, first + len(body))
     rope_write = {label.split()[4]: (fn, args, consts, opts)  # by dtype, the 8B heads
                   for label, fn, args, consts, opts in attention_kernels()
                   if label.startswith("rope_write hq=32") and not label.endswith("qkv")}
