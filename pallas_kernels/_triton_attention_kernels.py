@@ -143,22 +143,22 @@ def _pool_tile(k_ptr, v_ptr, split_pages, first, c, mask, req, bt_ptr, page_size
     """The K and V rows [len(c), D] of KV head h at positions c of request req, read from the
     pages; zeros where `mask` is false."""
     d = tl.arange(0, D)
+    index = c // page_size  # each position's entry in the request's block table
     if PAGES > 0:
         # The two asserts compile only with Triton's debug on (TRITON_DEBUG=1: gpu_run.sh
         # pages_crash, where a launch faults): the window index in range, each gathered id the
         # block table's.
-        at = c // page_size - first
+        at = index - first
         tl.device_assert((at >= 0) & (at < PAGES), "attention: page window index out of range")
         # compute-sanitizer found this gather reading shared memory past its window at SPLIT 512
         # (no engine launch), the assert above silent. A clamp of `at` to [0, PAGES) is the
         # candidate fix (gpu_run.sh pages_clamp applies it); not in the engine's launches until
         # a GPU run shows it fixes the fault and keeps the goldens.
         page = tl.gather(split_pages, at, 0)
-        tl.device_assert(page == tl.load(bt_ptr + req * table_width + c // page_size, mask=mask,
-                                         other=0), "attention: gathered page id differs from the "
-                         "block table's", mask=mask)
+        tl.device_assert(page == tl.load(bt_ptr + req * table_width + index, mask=mask, other=0),
+                         "attention: gathered page id differs from the block table's", mask=mask)
     else:
-        page = tl.load(bt_ptr + req * table_width + c // page_size, mask=mask, other=0)
+        page = tl.load(bt_ptr + req * table_width + index, mask=mask, other=0)
     slot = c % page_size
     kv_off = ((page.to(tl.int64) * page_size + slot) * HKV + h) * D
     k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=mask[:, None], other=0.0)
