@@ -27,13 +27,21 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 def _script(args, cache_dir, code=None, timeout=600):
     """scripts/triton_aot_check.py with `args` -- or, given `code`, `python -c code SCRIPTS *args`
-    -- outside the interpreter, with its own Triton cache."""
+    -- outside the interpreter, with the Triton cache `cache_dir`."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(cache_dir)
     scripts = os.path.join(ROOT, "scripts")
     cmd = ([sys.executable, "-c", code, scripts, *args] if code else
            [sys.executable, os.path.join(scripts, "triton_aot_check.py"), *args])
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One Triton cache for the file's tests: the launches the first test compiles are the ones
+    the others compile again (with and without a change), and Triton's cache is keyed on the
+    source, constants and options, so a hit is the same compile."""
+    return tmp_path_factory.mktemp("triton-cache")
 
 
 def _per_attention_launch(body: str) -> str:
@@ -43,8 +51,8 @@ def _per_attention_launch(body: str) -> str:
             "for label, fn, args, consts, opts in c.attention_kernels():\n" + body)
 
 
-def test_every_tuned_gemm_and_attention_launch_compiles_for_sm90(tmp_path):
-    proc = _script([], tmp_path)
+def test_every_tuned_gemm_and_attention_launch_compiles_for_sm90(cache):
+    proc = _script([], cache)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert any("4096+1024+1024" in line and "split" in line for line in lines), lines
@@ -62,17 +70,17 @@ def test_every_tuned_gemm_and_attention_launch_compiles_for_sm90(tmp_path):
     assert all(line.startswith("ok ") for line in lines), lines
 
 
-def test_page_ids_per_split_change_no_float_instruction(tmp_path):
+def test_page_ids_per_split_change_no_float_instruction(cache):
     """The page ids per split move only where the K/V addresses come from (and the
     pipelining): every attention launch's sm_90 PTX has the same float instructions in the same
     order with it as without it -- the compiled form of "the same bits"."""
-    proc = _script(["--same-float-ops"], tmp_path)
+    proc = _script(["--same-float-ops"], cache)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert len(lines) == 12 and all(line.startswith("same ") for line in lines), lines
 
 
-def test_the_planned_register_bound_reaches_the_ptx(tmp_path):
+def test_the_planned_register_bound_reaches_the_ptx(cache):
     """The leaf's planned page ids bound the narrow serial launch's registers (PAGES_MAXNREG):
     that launch's sm_90 PTX carries the .maxnreg directive, the page-ids-per-tile launch and the
     split schedule's do not (the control)."""
@@ -80,7 +88,7 @@ def test_the_planned_register_bound_reaches_the_ptx(tmp_path):
         "    if label.startswith('attention hq=32 hkv=8 D=128 bf16 s') and 'dot' not in label:\n"
         "        ptx = c._compile(fn, args, consts, *opts).asm['ptx']\n"
         "        print(label, '|', [l.strip() for l in ptx.splitlines() if '.maxnreg' in l])\n")
-    proc = _script([], tmp_path, code=code)
+    proc = _script([], cache, code=code)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     bounds = dict(line.split(" | ") for line in proc.stdout.splitlines())
     assert bounds["attention hq=32 hkv=8 D=128 bf16 serial pages"] == "['.maxnreg 128']", bounds
@@ -88,7 +96,7 @@ def test_the_planned_register_bound_reaches_the_ptx(tmp_path):
     assert bounds["attention hq=32 hkv=8 D=128 bf16 split pages"] == "[]", bounds
 
 
-def test_the_planned_merge_stages_pipeline_the_split_merge(tmp_path):
+def test_the_planned_merge_stages_pipeline_the_split_merge(cache):
     """MERGE_STAGES reaches the split launch: on the planned stages Triton's pipeliner turns the
     merge loop's loads of the stored splits into async copies (sm_90 TTGIR), which the same
     launch at MERGE_STAGES 0 (the control: the plain loop) does not have."""
@@ -97,7 +105,7 @@ def test_the_planned_merge_stages_pipeline_the_split_merge(tmp_path):
         "        for stages in (consts['MERGE_STAGES'], 0):\n"
         "            ir = c._compile(fn, args, dict(consts, MERGE_STAGES=stages), *opts)\n"
         "            print(stages, ir.asm['ttgir'].count('ttg.async_copy_global_to_local'))\n")
-    proc = _script([], tmp_path, code=code)
+    proc = _script([], cache, code=code)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (planned, copies), (_, before) = (map(int, line.split()) for line in proc.stdout.splitlines())
     assert planned == tap.MERGE_STAGES > 1
@@ -105,7 +113,7 @@ def test_the_planned_merge_stages_pipeline_the_split_merge(tmp_path):
     assert copies >= before + 3, (copies, before)
 
 
-def test_negative_control_another_row_sum_changes_the_float_instructions(tmp_path):
+def test_negative_control_another_row_sum_changes_the_float_instructions(cache):
     """The comparison above can fail: the same serial launch on the dot row sum (other bits)
     has other float instructions."""
     code = ("import sys; sys.path[:0] = [sys.argv[1]]\n"
@@ -114,24 +122,24 @@ def test_negative_control_another_row_sum_changes_the_float_instructions(tmp_pat
             "ops = [c.float_ops(c._compile(fn, args, dict(consts, ROWSUM=r), *opts).asm['ptx'])\n"
             "       for r in (0, 2)]\n"
             "print(label, len(ops[0]), len(ops[1]), ops[0] == ops[1])\n")
-    proc = _script([], tmp_path, code)
+    proc = _script([], cache, code)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("attention hq=32 hkv=8 D=128 bf16 serial "), proc.stdout
     assert proc.stdout.split()[-1] == "False", proc.stdout
 
 
-def test_the_fused_rope_attention_launch_rotates_with_rope_writes_operations(tmp_path):
+def test_the_fused_rope_attention_launch_rotates_with_rope_writes_operations(cache):
     """RoPE inside the split launch (triton_rope_attention.py): on the lines of the shared `rope`
     helper, every fused launch's sm_90 PTX has rope_write_kernel's float operations per element
     (mul.rn x2, neg, add.rn; no fma: fp fusion off in both) -- the compiled form of "the same
     rotation". The script also reports registers and spills against the split launch."""
-    proc = _script(["--rope-attention"], tmp_path)
+    proc = _script(["--rope-attention"], cache)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if "rope_attention" in line]
     assert len(lines) == 8 and all(line.startswith("same ") for line in lines), lines
 
 
-def test_negative_control_fp_fusion_contracts_the_rotation(tmp_path):
+def test_negative_control_fp_fusion_contracts_the_rotation(cache):
     """The check above can fail: the fused launch compiled with fp fusion on has an fma on the
     rotation's lines."""
     code = ("import sys, inspect; sys.path[:0] = [sys.argv[1]]\n"
@@ -143,7 +151,7 @@ def test_negative_control_fp_fusion_contracts_the_rotation(tmp_path):
             "    if label == 'rope_attention hq=32 hkv=8 D=128 bf16 fused':\n"
             "        ptx = c._compile(fn, args, consts, opts[0], opts[1], True).asm['ptx']\n"
             "        print(sorted(set(c.float_ops_of_lines(ptx, path, lines))))\n")
-    proc = _script([], tmp_path, code)
+    proc = _script([], cache, code)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "fma" in proc.stdout, proc.stdout
 
