@@ -46,9 +46,10 @@ def cache(tmp_path_factory):
 
 def _per_attention_launch(body: str) -> str:
     """`code` for _script: `body` (lines indented four spaces) run for each (label, fn, args,
-    consts, opts) of triton_aot_check.attention_kernels(), the module imported as `c`."""
-    return ("import sys; sys.path.insert(0, sys.argv[1]); import triton_aot_check as c\n"
-            "for label, fn, args, consts, opts in c.attention_kernels():\n" + body)
+    consts, opts) of triton_launches.attention_kernels(), triton_aot_check imported as `c`."""
+    return ("import sys; sys.path.insert(0, sys.argv[1])\n"
+            "import triton_aot_check as c, triton_launches as L\n"
+            "for label, fn, args, consts, opts in L.attention_kernels():\n" + body)
 
 
 def test_every_tuned_gemm_and_attention_launch_compiles_for_sm90(cache):
@@ -117,8 +118,8 @@ def test_negative_control_another_row_sum_changes_the_float_instructions(cache):
     """The comparison above can fail: the same serial launch on the dot row sum (other bits)
     has other float instructions."""
     code = ("import sys; sys.path[:0] = [sys.argv[1]]\n"
-            "import triton_aot_check as c\n"
-            "label, fn, args, consts, opts = next(iter(c.attention_kernels()))\n"
+            "import triton_aot_check as c, triton_launches as L\n"
+            "label, fn, args, consts, opts = next(iter(L.attention_kernels()))\n"
             "ops = [c.float_ops(c._compile(fn, args, dict(consts, ROWSUM=r), *opts).asm['ptx'])\n"
             "       for r in (0, 2)]\n"
             "print(label, len(ops[0]), len(ops[1]), ops[0] == ops[1])\n")
@@ -143,11 +144,11 @@ def test_negative_control_fp_fusion_contracts_the_rotation(cache):
     """The check above can fail: the fused launch compiled with fp fusion on has an fma on the
     rotation's lines."""
     code = ("import sys, inspect; sys.path[:0] = [sys.argv[1]]\n"
-            "import triton_aot_check as c\n"
+            "import triton_aot_check as c, triton_launches as L\n"
             "from pallas_kernels import _triton_rope_write_kernels as RW\n"
             "body, first = inspect.getsourcelines(RW.rope.fn)\n"
             "path, lines = inspect.getsourcefile(RW.rope.fn), range(first, first + len(body))\n"
-            "for label, fn, args, consts, opts in c.rope_attention_kernels():\n"
+            "for label, fn, args, consts, opts in L.rope_attention_kernels():\n"
             "    if label == 'rope_attention hq=32 hkv=8 D=128 bf16 fused':\n"
             "        ptx = c._compile(fn, args, consts, opts[0], opts[1], True).asm['ptx']\n"
             "        print(sorted(set(c.float_ops_of_lines(ptx, path, lines))))\n")
