@@ -29,6 +29,7 @@ import torch  # noqa: E402
 
 ta, tap = rows_exp.ta, rows_exp.tap
 TODAY = (4, 2)  # the split kernel's (warps, stages)
+ITERS = 200  # device_us's replays (--iters)
 ENGINE_WIDTH = 8192 // rows_exp.PAGE + 1  # block-table pages of an 8k-context launch
 
 
@@ -231,9 +232,11 @@ def serial_main(args) -> int:
                          "differing from today | µs per layer |\n|---|---|---|---|\n", line)
 
 
-def device_us(run, iters=200) -> float:
+def device_us(run, iters=None) -> float:
     """µs per run on the device: `run` captured once in a CUDA graph and replayed back to back
-    (Triton's Python launcher costs more host time per launch than the kernels take)."""
+    (Triton's Python launcher costs more host time per launch than the kernels take), `--iters`
+    times."""
+    iters = iters or ITERS
     if rows_exp.DEV == "cpu":
         return float("nan")
     torch.cuda.synchronize()
@@ -269,11 +272,15 @@ def main() -> int:
     p.add_argument("--pages-ab", action="store_true",
                    help="each config with the page ids per tile and per split "
                         "(JENGINE_ATTENTION_PAGES): rows differing (0 expected) and µs")
+    p.add_argument("--iters", type=int, default=200,
+                   help="replays per timing (a few under compute-sanitizer, which checks each)")
     p.add_argument("--rowsum", choices=sorted(tap.ROWSUM_FORMS),
                    default=os.environ.get(tap.ROWSUM_ENV) or tap.DEFAULT_ROWSUM,
                    help="every launch's row sum: tree / dot are the layout-free experiments "
                         "(other bits)")
     args = p.parse_args()
+    global ITERS
+    ITERS = args.iters
     rows_exp.ROWSUM = args.rowsum  # this script's launches take their constexprs from there,
     os.environ[tap.ROWSUM_ENV] = args.rowsum  # the leaf's own (the serial reference) from here
     if args.smoke:  # before the kernels' module is imported: the interpreter is chosen then

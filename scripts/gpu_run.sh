@@ -146,6 +146,10 @@
 #                  candidate fix; no fault expected; rows vs page ids per tile);
 #                  goldens_check_clamp: the goldens with it; pages_clamp_ab: both modes' decode
 #                  rows without and with it
+#   pages_memcheck compute-sanitizer's memcheck on an engine launch (the kv64 wide serial tile: its
+#                  page window ends where its shared memory does, and the pipelined loop gathers
+#                  the tile after a split's last, up to 4 ids past the window), without and with
+#                  the clamp: invalid shared reads counted
 #   pages_ab_auto / pages_ab_rl  a mode's model rows (decode bs 1 / 64 / 256, the 4096-token
 #                  prefill) with the page ids per tile and as planned, in one call
 #   goldens_check_pages  the H200 goldens with the page ids per split in every launch
@@ -586,6 +590,19 @@ for s in "$@"; do
       step model_noclamp 240 python3 -m jengine.cli bench $a --out "$out/model_noclamp"
       with_source_edit pallas_kernels/_triton_attention_kernels.py "$CLAMP" \
         step model_clamp 240 python3 -m jengine.cli bench $a --out "$out/model_clamp" ;;
+    pages_memcheck)  # memcheck on an engine launch whose page window ends where its shared memory does (the kv64 wide serial tile), without and with the clamp
+      if command -v compute-sanitizer > /dev/null; then
+        a="--serial --pages-ab --configs 4,2,16,64,256 --iters 2"
+        m="compute-sanitizer --tool memcheck --print-limit 10"
+        step pages_memcheck_engine 240 $m python3 scripts/gpu_attention_split.py $a --out "$out/pages_memcheck_engine"
+        with_source_edit pallas_kernels/_triton_attention_kernels.py "$CLAMP" \
+          step pages_memcheck_clamp 240 $m python3 scripts/gpu_attention_split.py $a --out "$out/pages_memcheck_clamp"
+        for f in engine clamp; do
+          echo "pages_memcheck_$f: $(grep -c 'Invalid __shared__' "$out/pages_memcheck_$f.log") invalid shared reads; $(grep 'ERROR SUMMARY' "$out/pages_memcheck_$f.log")" | tee -a "$out/summary.md"
+        done
+      else
+        echo "pages_memcheck: no compute-sanitizer on this machine" | tee -a "$out/summary.md"
+      fi ;;
     pages_ab_auto|pages_ab_rl)  # a mode's model rows with the page ids per tile and as planned (the default), on one machine
       numerics=auto; [ "$s" = pages_ab_rl ] && numerics=rl-bitwise
       JENGINE_ATTENTION_PAGES=tile step "model_${numerics}_pages_tile" 200 python3 -m jengine.cli bench --parts model --numerics "$numerics" --iters 20 --batch-sizes 1 64 256 --long-context 0 --part-timeout 190 --out "$out/model_${numerics}_pages_tile"
