@@ -150,10 +150,10 @@ def _pool_tile(k_ptr, v_ptr, split_pages, first, c, mask, req, bt_ptr, page_size
         # block table's.
         at = index - first
         tl.device_assert((at >= 0) & (at < PAGES), "attention: page window index out of range")
-        # compute-sanitizer found this gather reading shared memory past its window at SPLIT 512
-        # (no engine launch), the assert above silent. A clamp of `at` to [0, PAGES) is the
-        # candidate fix (gpu_run.sh pages_clamp applies it); not in the engine's launches until
-        # a GPU run shows it fixes the fault and keeps the goldens.
+        # Software pipelining runs this gather for the tiles past a split's end (only their
+        # copies are masked): up to 4 ids past the window here, 8 at SPLIT 512 where it faults
+        # (docs/performance.md, 2026-12-06). Clamping `at` to [0, PAGES) is the fix on trial
+        # (gpu_run.sh pages_clamp, pages_memcheck); not in until a GPU run keeps the goldens.
         page = tl.gather(split_pages, at, 0)
         tl.device_assert(page == tl.load(bt_ptr + req * table_width + index, mask=mask, other=0),
                          "attention: gathered page id differs from the block table's", mask=mask)
