@@ -218,9 +218,9 @@ def _check_server(r, md):
     assert r["host_phases"]["turns"] > 0 and total["wait"] > 0 and total["dispatch"] > 0
     cpu = r["server_cpu_s"]
     assert set(cpu) == {"event loop", "engine", "output", "other threads"}
-    # /proc counts 10 ms ticks: the event loop's share of a 24-token run can round to 0 (seen in
-    # CI), the engine thread's (compiles, steps) cannot.
-    assert cpu["engine"] > 0 and cpu["event loop"] >= 0 and r["client_cpu_s"] > 0
+    # /proc counts 10 ms ticks: any one thread's share of a 24-token run (~0.2 s) can round to 0
+    # (the event loop's and the engine thread's both have, in CI); the whole server's cannot.
+    assert all(v >= 0 for v in cpu.values()) and sum(cpu.values()) > 0 and r["client_cpu_s"] > 0
     assert sum(cpu.values()) < 2 * r["wall_s"] * os.cpu_count()  # seconds, not ticks
     assert "| `auto` | server |" in md and "| `auto` | Engine |" in md
     assert r["output_hold_ms"] == 20.0 and "output_holds" in r["host_phases"]
