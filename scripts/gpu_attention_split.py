@@ -232,11 +232,10 @@ def serial_main(args) -> int:
                          "differing from today | µs per layer |\n|---|---|---|---|\n", line)
 
 
-def device_us(run, iters=None) -> float:
+def device_us(run) -> float:
     """µs per run on the device: `run` captured once in a CUDA graph and replayed back to back
     (Triton's Python launcher costs more host time per launch than the kernels take), `--iters`
     times."""
-    iters = iters or ITERS
     if rows_exp.DEV == "cpu":
         return float("nan")
     torch.cuda.synchronize()
@@ -247,11 +246,11 @@ def device_us(run, iters=None) -> float:
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(iters):
+    for _ in range(ITERS):
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters * 1e3
+    return start.elapsed_time(end) / ITERS * 1e3
 
 
 def main() -> int:
