@@ -150,11 +150,11 @@ def _pool_tile(k_ptr, v_ptr, split_pages, first, c, mask, req, bt_ptr, page_size
         # block table's.
         at = index - first
         tl.device_assert((at >= 0) & (at < PAGES), "attention: page window index out of range")
-        # Software pipelining runs this gather for the tiles past a split's end (only their
-        # copies are masked): up to 4 ids past the window here, 8 at SPLIT 512 where it faults
-        # (docs/performance.md, 2026-12-06). Clamping `at` to [0, PAGES) is the fix on trial
-        # (gpu_run.sh pages_clamp, pages_memcheck); not in until a GPU run keeps the goldens.
-        page = tl.gather(split_pages, at, 0)
+        # Software pipelining runs this gather for the tiles past a split's end too (only their
+        # copies are masked): unclamped, up to 4 ids past the window on the wide serial tiles
+        # (memcheck: invalid shared reads), 8 at SPLIT 512 (a fault). The clamp leaves every real
+        # tile's index as it is (docs/performance.md, 2026-12-06 and 2026-12-07).
+        page = tl.gather(split_pages, tl.minimum(tl.maximum(at, 0), PAGES - 1), 0)
         tl.device_assert(page == tl.load(bt_ptr + req * table_width + index, mask=mask, other=0),
                          "attention: gathered page id differs from the block table's", mask=mask)
     else:

@@ -60,9 +60,11 @@ KV_TILES = (BLOCK_N, DEFAULT_KV_TILE)
 # 77.9 / 284.2 unbounded; in the model, H100, twenty-ninth session, unbounded costs bs 64 / 256
 # +0.9 / +1.0 ms pipelined in both modes); auto's wide tile (64-position KV tiles) on NUM_STAGES
 # stages (949.3 -> 915.7; on 3 stages 1346.8). Not planned anywhere: a wide tile at SPLIT 512 with
-# the page ids per split faulted (illegal memory access, H200 and H100: the window's tl.gather read
-# shared memory past its window, compute-sanitizer, thirty-third session; the candidate fix, its
-# index clamped, is gpu_run.sh pages_clamp's source edit, not yet run).
+# the page ids per split. It faulted (illegal memory access, H200 and H100: the pipelined window
+# gather read past its window) until the gather's index was clamped (_pool_tile, thirty-fifth
+# session); since, it runs with the same bits, and is no faster on auto's 3 stages (H100, µs per
+# layer, per tile -> per split: 64 rows 154.5 -> 179.9, 256 rows 569.1 -> 667.5, prefill 999.8 ->
+# 1239.4).
 PAGES_ENV, PAGES_STAGES, PAGES_MAXNREG = "JENGINE_ATTENTION_PAGES", 3, 128
 PAGES_FORMS = ("planned", "tile", "split")
 # The split launch's merge (its last program per tile folds the stored splits in a chain of loads)

@@ -139,17 +139,15 @@
 #                  maxnreg 128, as planned), rl-bitwise's wide tile (TPP 16, BLOCK_N 32) and auto's
 #                  (BLOCK_N 64))
 #   pages_crash    auto's wide tile at SPLIT 512 with the page ids per split (an illegal memory
-#                  access on the H200 and the H100): each suspect launch in its own process,
-#                  CUDA_LAUNCH_BLOCKING=1 and TRITON_DEBUG=1 (the page window's device asserts);
-#                  then compute-sanitizer's memcheck where the machine has it
-#   pages_clamp    the same configs with the page window's gather index clamped (a source edit: the
-#                  candidate fix; no fault expected; rows vs page ids per tile);
-#                  goldens_check_clamp: the goldens with it; pages_clamp_ab: both modes' decode
-#                  rows without and with it
+#                  access on the H200 and the H100 until the page window's index was clamped,
+#                  thirty-fifth session): each config in its own process, CUDA_LAUNCH_BLOCKING=1
+#                  and TRITON_DEBUG=1 (the page window's device asserts); then compute-sanitizer's
+#                  memcheck where the machine has it
+#   pages_clamp_ab both modes' decode rows as in main (the clamp), then without it (the "before")
 #   pages_memcheck compute-sanitizer's memcheck on an engine launch (the kv64 wide serial tile: its
 #                  page window ends where its shared memory does, and the pipelined loop gathers
-#                  the tile after a split's last, up to 4 ids past the window), without and with
-#                  the clamp: invalid shared reads counted
+#                  the tile after a split's last), as in main (0 invalid reads expected), then
+#                  without the clamp (the negative control: invalid shared reads expected)
 #   pages_ab_auto / pages_ab_rl  a mode's model rows (decode bs 1 / 64 / 256, the 4096-token
 #                  prefill) with the page ids per tile and as planned, in one call
 #   goldens_check_pages  the H200 goldens with the page ids per split in every launch
@@ -315,8 +313,9 @@ with_source_edit() {  # with_source_edit FILE SED CMD...: CMD with FILE edited b
   cp /tmp/source_edit.bak "$file"
 }
 with_plan_edit() { with_source_edit pallas_kernels/triton_attention_plan.py "$@"; }
-# pages_clamp's candidate fix for pages_crash: the page window's gather index clamped to [0, PAGES).
-CLAMP='s/tl.gather(split_pages, at, 0)/tl.gather(split_pages, tl.minimum(tl.maximum(at, 0), PAGES - 1), 0)/'
+# The page window's gather as it was before the thirty-fifth session: its index not clamped to
+# [0, PAGES) (pages_memcheck's negative control, pages_clamp_ab's "before").
+UNCLAMP='s/tl.gather(split_pages, tl.minimum(tl.maximum(at, 0), PAGES - 1), 0)/tl.gather(split_pages, at, 0)/'
 # The Llama-3-8B entries' own tiles (the prefill's: M > 256) on the flat-K serial schedule: the same
 # K chunks, so the same bits (_triton_gemm_kernels._gemm_flat); split_at_every_m off so M = 4096
 # runs it.
@@ -581,23 +580,19 @@ for s in "$@"; do
       else
         echo "pages_crash: no compute-sanitizer on this machine" | tee "$out/pages_crash_memcheck.log"
       fi ;;
-    pages_clamp)  # the page window's gather index clamped to [0, PAGES) (thirty-third session's candidate fix, a source edit here) on the configs pages_crash faults on: rows vs the page ids per tile
-      CUDA_LAUNCH_BLOCKING=1 with_source_edit pallas_kernels/_triton_attention_kernels.py "$CLAMP" \
-        step pages_fixed 150 python3 scripts/gpu_attention_split.py --serial --pages-ab --configs 4,3,16,64,512 4,2,16,64,512 4,3,16,32,512 --out "$out/pages_fixed" ;;
-    goldens_check_clamp) with_source_edit pallas_kernels/_triton_attention_kernels.py "$CLAMP" step goldens_check_clamp 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
-    pages_clamp_ab)  # both modes' decode rows as in main, then with the clamp
+    pages_clamp_ab)  # both modes' decode rows as in main (the page window's index clamped), then without the clamp
       a="--parts model --iters 20 --batch-sizes 1 64 256 --long-context 0 --prefill-tokens 0 --part-timeout 110"
-      step model_noclamp 240 python3 -m jengine.cli bench $a --out "$out/model_noclamp"
-      with_source_edit pallas_kernels/_triton_attention_kernels.py "$CLAMP" \
-        step model_clamp 240 python3 -m jengine.cli bench $a --out "$out/model_clamp" ;;
-    pages_memcheck)  # memcheck on an engine launch whose page window ends where its shared memory does (the kv64 wide serial tile), without and with the clamp
+      step model_clamp 240 python3 -m jengine.cli bench $a --out "$out/model_clamp"
+      with_source_edit pallas_kernels/_triton_attention_kernels.py "$UNCLAMP" \
+        step model_noclamp 240 python3 -m jengine.cli bench $a --out "$out/model_noclamp" ;;
+    pages_memcheck)  # memcheck on an engine launch whose page window ends where its shared memory does (the kv64 wide serial tile), as in main and without the clamp
       if command -v compute-sanitizer > /dev/null; then
         a="--serial --pages-ab --configs 4,2,16,64,256 --iters 2"
         m="compute-sanitizer --tool memcheck --print-limit 10"
-        step pages_memcheck_engine 240 $m python3 scripts/gpu_attention_split.py $a --out "$out/pages_memcheck_engine"
-        with_source_edit pallas_kernels/_triton_attention_kernels.py "$CLAMP" \
-          step pages_memcheck_clamp 240 $m python3 scripts/gpu_attention_split.py $a --out "$out/pages_memcheck_clamp"
-        for f in engine clamp; do
+        step pages_memcheck_clamp 240 $m python3 scripts/gpu_attention_split.py $a --out "$out/pages_memcheck_clamp"
+        with_source_edit pallas_kernels/_triton_attention_kernels.py "$UNCLAMP" \
+          step pages_memcheck_noclamp 240 $m python3 scripts/gpu_attention_split.py $a --out "$out/pages_memcheck_noclamp"
+        for f in clamp noclamp; do
           echo "pages_memcheck_$f: $(grep -c 'Invalid __shared__' "$out/pages_memcheck_$f.log") invalid shared reads; $(grep 'ERROR SUMMARY' "$out/pages_memcheck_$f.log")" | tee -a "$out/summary.md"
         done
       else

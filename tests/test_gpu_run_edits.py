@@ -104,10 +104,11 @@ def test_negative_controls_a_stale_edit_is_caught(tmp_path):
     """An expression that matches nothing is found unchanging, a statement naming a tile that is
     not there raises, and an edit that matches does change the file."""
     source = tmp_path / "k.py"
-    source.write_text("page = tl.gather(split_pages, at, 0)\n", encoding="utf-8")
+    clamped = "page = tl.gather(split_pages, tl.minimum(tl.maximum(at, 0), PAGES - 1), 0)\n"
+    source.write_text(clamped, encoding="utf-8")
     assert not changes(source, "s/^NO_SUCH_LINE = .*/x/")
-    clamp = _variables(SCRIPT)["CLAMP"]
-    assert changes(source, clamp)
+    unclamp = _variables(SCRIPT)["UNCLAMP"]
+    assert changes(source, unclamp)
     d = json.loads(TILES.read_text(encoding="utf-8"))
     with pytest.raises(KeyError):
         exec("d['tiles']['no_such_tile'].update(grouped=False)", {"d": d})
