@@ -146,8 +146,8 @@ def _pool_tile(k_ptr, v_ptr, split_pages, first, c, mask, req, bt_ptr, page_size
     index = c // page_size  # each position's entry in the request's block table
     if PAGES > 0:
         # The two asserts compile only with Triton's debug on (TRITON_DEBUG=1: gpu_run.sh
-        # pages_crash, where a launch faults): the window index in range, each gathered id the
-        # block table's.
+        # pages_crash, whose launches faulted before the clamp): the window index in range, each
+        # gathered id the block table's.
         at = index - first
         tl.device_assert((at >= 0) & (at < PAGES), "attention: page window index out of range")
         # Software pipelining runs this gather for the tiles past a split's end too (only their
