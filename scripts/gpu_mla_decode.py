@@ -73,7 +73,7 @@ def report(results: dict, shapes: dict, args) -> list[str]:
     numerics = list(args.numerics)
     lines = [f"MLA decode step vs dense: batch {args.batch}, context {args.context}, "
              f"{shapes[mla]['layers']} layers each, random bf16 weights, median of {args.iters} steps",
-             "", f"| model | params total | params active / token | KV bytes / token | "
+             "", "| model | params total | params active / token | KV bytes / token | "
              + " | ".join(f"{n} ms" for n in numerics) + " |",
              "|---" * (4 + len(numerics)) + "|"]
 

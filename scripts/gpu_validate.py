@@ -88,7 +88,6 @@ def row_check(jax_fn, torch_fn, make_inputs, ref64_fn, row_axis_args, label, tol
     if _ONLY and _ONLY not in label:
         return None
     args = make_inputs()
-    rows_total = args[0].shape[0]
     fn = jax.jit(jax_fn)
 
     def call(m, lo=0):

@@ -15,7 +15,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 from jengine.config import LaunchConfig  # noqa: E402
 from jengine.convert import convert  # noqa: E402

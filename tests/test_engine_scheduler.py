@@ -24,7 +24,7 @@ import pytest
 from jengine.config import LaunchConfig
 from jengine.launch import plan_launch
 from jengine.numerics import resolve_launch
-from jengine.engine.batch import PageCopy, PageRestore, PageSave, fill_placeholders
+from jengine.engine.batch import PageRestore, PageSave, fill_placeholders
 from jengine.engine.engine import Engine
 from jengine.engine.kv_manager import KVManager
 from jengine.engine.model_runner import ModelRunner

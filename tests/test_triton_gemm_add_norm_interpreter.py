@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 
 from tests import triton_interpreter  # noqa: F401  (must precede the kernel import)

@@ -14,8 +14,6 @@ Shapes are tiny but keep the production structure: R = 128 (two BLOCK_K score do
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 import pytest
 

@@ -28,7 +28,7 @@ from pallas_kernels.logprobs import (canonical_row_max, finish_logprob,  # noqa:
 from pallas_kernels.registry import plan  # noqa: E402
 from pallas_kernels.sampling import canonical_argmax  # noqa: E402
 from sharding.mesh import TENSOR_AXIS, make_mesh  # noqa: E402
-from sharding.vocab_parallel import (orderable_key, vocab_parallel_argmax,  # noqa: E402
+from sharding.vocab_parallel import (vocab_parallel_argmax,  # noqa: E402
                                      vocab_parallel_token_logprobs, vocab_parallel_top_logprobs)
 from tests.bits import count_bit_differences  # noqa: E402
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from jengine.engine.batch import placeholder
 from jengine.engine.loop_clock import NO_CLOCK, LoopClock
