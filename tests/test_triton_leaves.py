@@ -3,7 +3,8 @@
 Any machine: the modules import without triton (and then register nothing), each leaf matches its
 family's declared signature, tiles are a function of static shapes only and the tile tables give
 exactly the tiles of before, bad input names the field, jax-triton's import no longer breaks Triton's
-cache for torch in the same process, and the bench's byte count matches Llama-3-8B's published size.
+cache for torch in the same process, a GPU launch without jax-triton warns (it would plan the slow
+portable leaves), and the bench's byte count matches Llama-3-8B's published size.
 
 GPU (skipped unless triton, jax-triton, torch CUDA and a JAX GPU backend are all present; run on the
 GPU machine with ``JAX_PLATFORMS=cuda``): row invariance and torch-vs-jax launch bit equality, with
@@ -75,6 +76,42 @@ def test_every_triton_leaf_matches_its_familys_signature():
     assert set(TRITON_LEAVES) == set(TRITON_IMPLS)
     for (family, name), fn in TRITON_LEAVES.items():
         REGISTRY.check_signature(family, name, TRITON_IMPLS[(family, name)], fn)
+
+
+def test_a_gpu_launch_without_jax_triton_says_so(monkeypatch, caplog):
+    """A GPU without jax-triton plans the portable leaves (far slower): the runner warns, naming
+    what is missing and the extra that installs it; a CPU launch, or a GPU with both, does not."""
+    import logging
+
+    from jengine.bench.common import _random_llama, shape_config
+    from jengine.config import LaunchConfig
+    from jengine.engine.model_runner import ModelRunner
+    from jengine.launch import plan_launch
+    from jengine.numerics import resolve_launch
+    from jengine.profiles import override_profile
+    from pallas_kernels import _triton_launch
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: None if n == "jax_triton" else real(n, *a))
+    message = _triton_launch.missing_gpu_leaves("gpu-sm90")
+    assert "'gpu-sm90'" in message and "jax_triton not importable" in message
+    assert "pip install -e '.[gpu]'" in message
+    assert _triton_launch.missing_gpu_leaves("cpu") is None
+    with monkeypatch.context() as m:
+        m.setattr(_triton_launch, "triton_available", lambda: True)
+        assert _triton_launch.missing_gpu_leaves("gpu") is None
+
+    # the runner of a launch resolved for a GPU (on a CPU machine no Triton leaf registers)
+    launch = LaunchConfig(numerics="rl-bitwise", skip_warmup=True, max_running_requests=2,
+                          context_length=64, max_total_tokens=512)
+    base, padded = shape_config("small", 0)
+    loaded = _random_llama(base, padded)
+    with override_profile(base["architectures"][0], numerics_envelopes={"rl-bitwise"}):
+        plan = plan_launch(resolve_launch(launch, hardware="gpu"), loaded.config)
+    with caplog.at_level(logging.WARNING, logger="jengine.engine.model_runner"):
+        ModelRunner(loaded.config, loaded.checkpoint, plan.runner)
+    assert "hardware 'gpu' but" in caplog.text and "jax_triton not importable" in caplog.text
 
 
 def test_only_the_launch_shape_may_follow_m_never_the_k_chunks():

@@ -44,6 +44,7 @@ from jengine.models.kv_cache import NULL_PAGE
 from jengine.models.layers.param import OverlaySource, weight_source
 from jengine.models.registry import get_family
 from pallas_kernels import counter_chain
+from pallas_kernels._triton_launch import missing_gpu_leaves
 from pallas_kernels.fixed_order import next_pow2
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ class ModelRunner:
                                                 kv_lora_rank=model_config.kv_lora_rank,
                                                 moe=cfg.model.moe)
         logger.info("kernel plans: %s", self.kernels.describe())
+        if (warning := missing_gpu_leaves(cfg.model.hardware)) is not None:
+            logger.warning(warning)
         self.placement = RunnerPlacement(model_config, cfg, devices)
         # --enable-eplb: the placement of every MoE layer's experts and the load measured since
         # the last rebalance; None without it
