@@ -35,15 +35,15 @@ def triton_available() -> bool:
 def missing_gpu_leaves(hardware: str) -> str | None:
     """The warning a GPU launch gets when its Triton leaves cannot register (None otherwise).
 
-    Without triton and jax-triton every family plans its portable jnp leaf: the same envelope,
-    far slower at production shapes (on an H100 without jax-triton the bench's 8B shape ran auto's
-    bs 1 decode step at 14.5 ms blocked on, against 7.4, and rl-bitwise's rows did not finish in
-    the part's 160 s), so a launch says why rather than just being slow."""
+    Without triton and jax-triton the families with Triton leaves plan portable jnp ones in their
+    place: the same envelope, far slower at production shapes (on an H100 without jax-triton the
+    bench's 8B shape ran auto's bs 1 decode step at 14.5 ms blocked on, against 7.4, and
+    rl-bitwise's rows did not finish in the part's 160 s), so a launch says why."""
     if not hardware.startswith("gpu") or triton_available():
         return None
     missing = [m for m in ("triton", "jax_triton") if importlib.util.find_spec(m) is None]
     return (f"hardware {hardware!r} but {' and '.join(missing)} not importable: the Triton leaves "
-            "are not registered, so every kernel family runs its portable jnp leaf, far slower "
+            "are not registered, so their families run portable jnp leaves instead, far slower "
             "at production shapes; install the gpu extra: pip install -e '.[gpu]'")
 
 
