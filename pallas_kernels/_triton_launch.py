@@ -26,10 +26,14 @@ INVARIANT = dict(traits={"deterministic": True, "batch_invariant": True},
                  features={"batch_invariant"})
 
 
+def _missing_triton_modules() -> list[str]:
+    """Which of triton and jax_triton are not importable (checked without importing them)."""
+    return [m for m in ("triton", "jax_triton") if importlib.util.find_spec(m) is None]
+
+
 def triton_available() -> bool:
-    """True when both triton and jax_triton are importable (checked without importing them)."""
-    return (importlib.util.find_spec("triton") is not None
-            and importlib.util.find_spec("jax_triton") is not None)
+    """True when both triton and jax_triton are importable."""
+    return not _missing_triton_modules()
 
 
 def missing_gpu_leaves(hardware: str) -> str | None:
@@ -39,9 +43,9 @@ def missing_gpu_leaves(hardware: str) -> str | None:
     place: the same envelope, far slower at production shapes (on an H100 without jax-triton the
     bench's 8B shape ran auto's bs 1 decode step at 14.5 ms blocked on, against 7.4, and
     rl-bitwise's rows did not finish in the part's 160 s), so a launch says why."""
-    if not hardware.startswith("gpu") or triton_available():
+    missing = _missing_triton_modules()
+    if not hardware.startswith("gpu") or not missing:
         return None
-    missing = [m for m in ("triton", "jax_triton") if importlib.util.find_spec(m) is None]
     return (f"hardware {hardware!r} but {' and '.join(missing)} not importable: the Triton leaves "
             "are not registered, so their families run portable jnp leaves instead, far slower "
             "at production shapes; install the gpu extra: pip install -e '.[gpu]'")

@@ -98,8 +98,8 @@ def test_a_gpu_launch_without_jax_triton_says_so(monkeypatch, caplog):
     assert "'gpu-sm90'" in message and "jax_triton not importable" in message
     assert "pip install -e '.[gpu]'" in message
     assert _triton_launch.missing_gpu_leaves("cpu") is None
-    with monkeypatch.context() as m:
-        m.setattr(_triton_launch, "triton_available", lambda: True)
+    with monkeypatch.context() as m:  # both importable
+        m.setattr(importlib.util, "find_spec", lambda n, *a: object())
         assert _triton_launch.missing_gpu_leaves("gpu") is None
 
     # the runner of a launch resolved for a GPU (on a CPU machine no Triton leaf registers)
@@ -108,7 +108,8 @@ def test_a_gpu_launch_without_jax_triton_says_so(monkeypatch, caplog):
     base, padded = shape_config("small", 0)
     loaded = _random_llama(base, padded)
     with override_profile(base["architectures"][0], numerics_envelopes={"rl-bitwise"}):
-        plan = plan_launch(resolve_launch(launch, hardware="gpu"), loaded.config)
+        plan = plan_launch(resolve_launch(launch, hardware="gpu", probe_xla_flags=False),
+                           loaded.config)
     with caplog.at_level(logging.WARNING, logger="jengine.engine.model_runner"):
         ModelRunner(loaded.config, loaded.checkpoint, plan.runner)
     assert "hardware 'gpu' but" in caplog.text and "jax_triton not importable" in caplog.text
