@@ -120,19 +120,34 @@ def import_jax_triton():
 # bound), and a step blocked on gets 1.4-3.5 ms slower, since nothing runs on the device until the
 # host has updated and launched the step's one graph. So the legacy call stays the default and
 # JENGINE_TRITON_CALL=ffi is the switch for the next measurement.
+# JENGINE_TRITON_CALL=layers is the middle way: the attention launches (the ones that read the
+# step's own inputs -- positions, page tables -- and write the KV pages) stay legacy calls, so
+# they end a graph; everything else (GEMMs, norms, activations) joins XLA's command buffers. A
+# decode step becomes a graph a layer, launched as the host reaches it, instead of one graph
+# after all of them (the blocked-on cost above) or ~8 lone launches a layer (rl-bitwise's bs 1
+# idle: ~2.1 us after each of its 257 Triton launches against ~0.8 after XLA's own kernels, H100,
+# thirty-seventh session).
 FFI_TARGET = "triton_kernel_call_ffi"
 LEGACY_TARGET = "triton_kernel_call"
 _ffi_lowering_registered = False
 
 
-def custom_call_target() -> str:
-    """The custom-call target the JAX launches use: jax-triton's own unless JENGINE_TRITON_CALL=ffi
-    (the command-buffer-compatible one; see above)."""
+# Name parts of the launches "layers" keeps on the legacy call.
+GRAPH_ENDING_KERNELS = ("attention", "rope", "mla")
+
+
+def custom_call_target(kernel_name: str = "") -> str:
+    """The custom-call target a JAX launch of `kernel_name` uses: jax-triton's own unless
+    JENGINE_TRITON_CALL is "ffi" (every launch on the command-buffer-compatible one) or "layers"
+    (all but the attention launches on it; see above)."""
     import os
 
     choice = os.environ.get("JENGINE_TRITON_CALL", "legacy")
-    if choice not in ("ffi", "legacy"):
-        raise ValueError(f"JENGINE_TRITON_CALL={choice!r}: expected 'ffi' or 'legacy'")
+    if choice not in ("ffi", "layers", "legacy"):
+        raise ValueError(f"JENGINE_TRITON_CALL={choice!r}: expected 'ffi', 'layers' or 'legacy'")
+    if choice == "layers":
+        ends_graph = any(part in kernel_name for part in GRAPH_ENDING_KERNELS)
+        return LEGACY_TARGET if ends_graph else FFI_TARGET
     return FFI_TARGET if choice == "ffi" else LEGACY_TARGET
 
 
@@ -287,11 +302,16 @@ def jax_launch(kernel, inputs: Sequence[Any], out_shapes, grid, *, num_warps: in
     results = jt.triton_call(*inputs, kernel=kernel, out_shape=tuple(outs), grid=grid,
                              num_warps=num_warps, num_stages=num_stages,
                              enable_fp_fusion=enable_fp_fusion, input_output_aliases=aliases,
-                             custom_call_target_name=custom_call_target(), **constexprs)
+                             custom_call_target_name=custom_call_target(_kernel_name(kernel)),
+                             **constexprs)
     results = list(results)
     if counters is not None:
         _give_counters(results.pop())
     return results[0] if single else tuple(results)
+
+
+def _kernel_name(kernel) -> str:
+    return getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "")
 
 
 def torch_launch(kernel, inputs: Sequence[Any], outputs: Sequence[Any], grid, *, num_warps: int,

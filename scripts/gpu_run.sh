@@ -47,6 +47,11 @@
 #                  legacy custom call, then the FFI one
 #   triton_call_ab_rl  rl-bitwise decode rows with jax-triton's legacy custom call, then the FFI
 #                  one (JENGINE_TRITON_CALL=ffi: the step one CUDA graph)
+#   triton_layers_ab  decode bs 1 / 64: rl-bitwise on the legacy call, on JENGINE_TRITON_CALL=layers
+#                  (a CUDA graph a layer: attention launches legacy, the rest FFI) and on FFI; auto
+#                  on legacy and layers
+#   engine_layers_ab_rl  rl-bitwise's Engine workload on the legacy call, then on "layers"
+#   goldens_check_layers  goldens_check with JENGINE_TRITON_CALL=layers (same PTX: same bits)
 #   gemm_decode_tiles2  timings only, per shape, of launch shapes around the table's by_m picks
 #   merge_stages_ab  both modes' bs 1 and 16 x 8k rows with the split launch's merge pipelined
 #                  by Triton (MERGE_STAGES 4), without (0: the plain loop; the 2026-12-06 run's 0
@@ -356,6 +361,17 @@ for s in "$@"; do
     engine_ffi_ab_rl)  # rl-bitwise's Engine workload with jax-triton's legacy custom call, then the FFI one (the step one CUDA graph)
       JENGINE_TRITON_CALL=legacy step bench_engine_rl_legacy 280 python3 -m jengine.cli bench --parts engine --numerics rl-bitwise --part-timeout 270 --out "$out/bench_engine_rl_legacy"
       JENGINE_TRITON_CALL=ffi step bench_engine_rl_ffi 280 python3 -m jengine.cli bench --parts engine --numerics rl-bitwise --part-timeout 270 --out "$out/bench_engine_rl_ffi" ;;
+    triton_layers_ab)  # decode bs 1 / 64, 20 iterations: rl-bitwise on the legacy call, on "layers" (a graph a layer: the attention launches legacy, the rest FFI), on FFI (one graph); auto legacy / layers
+      a="--parts model --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 140"
+      JENGINE_TRITON_CALL=legacy step model_rl_call_legacy 150 python3 -m jengine.cli bench --numerics rl-bitwise $a --out "$out/model_rl_call_legacy"
+      JENGINE_TRITON_CALL=layers step model_rl_call_layers 150 python3 -m jengine.cli bench --numerics rl-bitwise $a --out "$out/model_rl_call_layers"
+      JENGINE_TRITON_CALL=ffi step model_rl_call_ffi 150 python3 -m jengine.cli bench --numerics rl-bitwise $a --out "$out/model_rl_call_ffi"
+      JENGINE_TRITON_CALL=legacy step model_auto_call_legacy 150 python3 -m jengine.cli bench --numerics auto $a --out "$out/model_auto_call_legacy"
+      JENGINE_TRITON_CALL=layers step model_auto_call_layers 150 python3 -m jengine.cli bench --numerics auto $a --out "$out/model_auto_call_layers" ;;
+    engine_layers_ab_rl)  # rl-bitwise's Engine workload on the legacy call, then on "layers"
+      JENGINE_TRITON_CALL=legacy step bench_engine_rl_legacy 280 python3 -m jengine.cli bench --parts engine --numerics rl-bitwise --part-timeout 270 --out "$out/bench_engine_rl_legacy"
+      JENGINE_TRITON_CALL=layers step bench_engine_rl_layers 280 python3 -m jengine.cli bench --parts engine --numerics rl-bitwise --part-timeout 270 --out "$out/bench_engine_rl_layers" ;;
+    goldens_check_layers) JENGINE_TRITON_CALL=layers step goldens_check_layers 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
     triton_call_ab_rl)  # triton_call_ab for rl-bitwise alone, 20 iterations
       JENGINE_TRITON_CALL=legacy step model_rl_triton_legacy 150 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 140 --out "$out/model_rl_triton_legacy"
       JENGINE_TRITON_CALL=ffi step model_rl_triton_ffi 150 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 140 --out "$out/model_rl_triton_ffi" ;;

@@ -394,6 +394,30 @@ def test_the_custom_call_target_follows_the_switch(monkeypatch, value, target):
     assert custom_call_target() == target
 
 
+def test_layers_keeps_the_attention_launches_legacy(monkeypatch):
+    # JENGINE_TRITON_CALL=layers: the launches that read the step's inputs (attention, RoPE + KV
+    # write) end a graph; the layer's GEMMs, norms and activations join XLA's command buffers.
+    # The names are the engine's own kernels', taken from the kernel objects jax_launch gets.
+    pytest.importorskip("triton")
+    from pallas_kernels import (_triton_attention_kernels, _triton_gemm_kernels,
+                                _triton_rope_attention_kernels, _triton_rope_write_kernels)
+    from pallas_kernels._triton_launch import _kernel_name, custom_call_target
+
+    monkeypatch.setenv("JENGINE_TRITON_CALL", "layers")
+    legacy = [_triton_attention_kernels.attention_split_kernel,
+              _triton_attention_kernels.attention_serial_kernel,
+              _triton_rope_attention_kernels.attention_rope_split_kernel,
+              _triton_rope_write_kernels.rope_write_kernel]
+    ffi = [_triton_gemm_kernels.grouped_gemm_kernel, _triton_gemm_kernels.fixed_tile_gemm_kernel,
+           _triton_gemm_kernels.gemm_reduce_kernel]
+    assert [custom_call_target(_kernel_name(k)) for k in legacy] == ["triton_kernel_call"] * 4
+    assert [custom_call_target(_kernel_name(k)) for k in ffi] == ["triton_kernel_call_ffi"] * 3
+    # The same kernels under the other two settings: one target for all.
+    for value, target in (("ffi", "triton_kernel_call_ffi"), ("legacy", "triton_kernel_call")):
+        monkeypatch.setenv("JENGINE_TRITON_CALL", value)
+        assert {custom_call_target(_kernel_name(k)) for k in legacy + ffi} == {target}
+
+
 def test_a_bad_custom_call_switch_names_the_variable(monkeypatch):
     from pallas_kernels._triton_launch import custom_call_target
 
