@@ -112,21 +112,23 @@ def import_jax_triton():
 # legacy one, "triton_kernel_call" (a status-returning custom call): XLA cannot put it in a command
 # buffer (a CUDA graph), so each launch ends the graph before it (the tenth session's profile:
 # rl-bitwise ran its ~600 kernels one by one, no graph at all). "triton_kernel_call_ffi" is
-# jaxlib's typed-FFI handler for the same kernel proto (the one Pallas' Triton lowering uses since
-# jaxlib 0.10.3), declared command-buffer compatible; it takes the zlib-compressed proto as the
-# attribute "opaque". Same PTX, same launch parameters: only the host side of the call changes.
-# Measured on the H200 (docs/performance.md, eleventh session): with it the whole decode step is
-# one CUDA graph, and that is no faster: the pipelined step is unchanged (the device is the
-# bound), and a step blocked on gets 1.4-3.5 ms slower, since nothing runs on the device until the
-# host has updated and launched the step's one graph. So the legacy call stays the default and
-# JENGINE_TRITON_CALL=ffi is the switch for the next measurement.
-# JENGINE_TRITON_CALL=layers is the middle way: the attention launches (the ones that read the
-# step's own inputs -- positions, page tables -- and write the KV pages) stay legacy calls, so
-# they end a graph; everything else (GEMMs, norms, activations) joins XLA's command buffers. A
-# decode step becomes a graph a layer, launched as the host reaches it, instead of one graph
-# after all of them (the blocked-on cost above) or ~8 lone launches a layer (rl-bitwise's bs 1
-# idle: ~2.1 us after each of its 257 Triton launches against ~0.8 after XLA's own kernels, H100,
-# thirty-seventh session).
+# jaxlib's typed-FFI handler for the same kernel proto (the one Pallas' Triton lowering uses, in
+# every jaxlib we admit), declared command-buffer compatible; it takes the zlib-compressed proto as
+# the attribute "opaque". Same PTX, same launch parameters: only the host side of the call changes
+# (goldens unchanged under "ffi" on the H200, eleventh session, and "layers" on the H100, thirty-eighth).
+# Which launches take which (JENGINE_TRITON_CALL):
+# - "ffi", every launch: the whole decode step is one CUDA graph. Pipelined a little faster, but a
+#   step blocked on is 1.4-3.5 ms slower (nothing runs until the host has updated and launched the
+#   step's one graph) and the Engine workload loses (H100, thirtieth session: 4602 -> 4479 tok/s,
+#   ITL p99 156 -> 298 ms).
+# - "layers", the default since the thirty-eighth session: the attention launches (the ones that
+#   read the step's own inputs -- positions, page tables -- and write the KV pages) stay legacy,
+#   so they end a graph, and the rest (GEMMs, norms, activations) join XLA's command buffers: a
+#   graph a layer, launched as the host reaches it. H100, two A/B runs, rl-bitwise against
+#   "legacy": the Engine workload 4760 -> 4850 and 4722 -> 4827 tok/s (its decode step at 64 rows
+#   10.2 -> 9.9 ms), the pipelined bs 1 step 6.79 -> 6.73 and 6.82 -> 6.75 ms; a step blocked on
+#   +0.45 / +0.68 ms at bs 1, and the Engine with overlap off 2-4 % slower.
+# - "legacy", every launch on jax-triton's own call.
 FFI_TARGET = "triton_kernel_call_ffi"
 LEGACY_TARGET = "triton_kernel_call"
 _ffi_lowering_registered = False
@@ -137,12 +139,12 @@ GRAPH_ENDING_KERNELS = ("attention", "rope", "mla")
 
 
 def custom_call_target(kernel_name: str = "") -> str:
-    """The custom-call target a JAX launch of `kernel_name` uses: jax-triton's own unless
-    JENGINE_TRITON_CALL is "ffi" (every launch on the command-buffer-compatible one) or "layers"
-    (all but the attention launches on it; see above)."""
+    """The custom-call target a JAX launch of `kernel_name` uses, as JENGINE_TRITON_CALL says
+    (see above): "layers" (the default: the attention launches on jax-triton's legacy call, the
+    rest on the command-buffer-compatible one), "ffi" (every launch on that) or "legacy"."""
     import os
 
-    choice = os.environ.get("JENGINE_TRITON_CALL", "legacy")
+    choice = os.environ.get("JENGINE_TRITON_CALL", "layers")
     if choice not in ("ffi", "layers", "legacy"):
         raise ValueError(f"JENGINE_TRITON_CALL={choice!r}: expected 'ffi', 'layers' or 'legacy'")
     if choice == "layers":

@@ -50,7 +50,8 @@
 #   triton_layers_ab  decode bs 1 / 64: rl-bitwise on the legacy call, on JENGINE_TRITON_CALL=layers
 #                  (a CUDA graph a layer: attention launches legacy, the rest FFI) and on FFI; auto
 #                  on legacy and layers
-#   engine_layers_ab_rl  rl-bitwise's Engine workload on the legacy call, then on "layers"
+#   engine_layers_ab_rl  rl-bitwise's Engine workload on the legacy call, then on "layers" (the
+#                  default since the thirty-eighth session); engine_layers_ab_auto the same for auto
 #   goldens_check_layers  goldens_check with JENGINE_TRITON_CALL=layers (same PTX: same bits)
 #   gemm_decode_tiles2  timings only, per shape, of launch shapes around the table's by_m picks
 #   merge_stages_ab  both modes' bs 1 and 16 x 8k rows with the split launch's merge pipelined
@@ -371,6 +372,9 @@ for s in "$@"; do
     engine_layers_ab_rl)  # rl-bitwise's Engine workload on the legacy call, then on "layers"
       JENGINE_TRITON_CALL=legacy step bench_engine_rl_legacy 280 python3 -m jengine.cli bench --parts engine --numerics rl-bitwise --part-timeout 270 --out "$out/bench_engine_rl_legacy"
       JENGINE_TRITON_CALL=layers step bench_engine_rl_layers 280 python3 -m jengine.cli bench --parts engine --numerics rl-bitwise --part-timeout 270 --out "$out/bench_engine_rl_layers" ;;
+    engine_layers_ab_auto)  # auto's Engine workload on the legacy call, then on "layers"
+      JENGINE_TRITON_CALL=legacy step bench_engine_auto_legacy 280 python3 -m jengine.cli bench --parts engine --numerics auto --part-timeout 270 --out "$out/bench_engine_auto_legacy"
+      JENGINE_TRITON_CALL=layers step bench_engine_auto_layers 280 python3 -m jengine.cli bench --parts engine --numerics auto --part-timeout 270 --out "$out/bench_engine_auto_layers" ;;
     goldens_check_layers) JENGINE_TRITON_CALL=layers step goldens_check_layers 560 python3 scripts/goldens.py check tests/goldens/h200.json --device cuda ;;
     triton_call_ab_rl)  # triton_call_ab for rl-bitwise alone, 20 iterations
       JENGINE_TRITON_CALL=legacy step model_rl_triton_legacy 150 python3 -m jengine.cli bench --parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 140 --out "$out/model_rl_triton_legacy"

@@ -381,17 +381,20 @@ def test_a_legacy_triton_call_is_restated_as_the_ffi_call():
     assert restated != _lowered_custom_call("ref", target="triton_kernel_call")
 
 
-@pytest.mark.parametrize("value, target", [(None, "triton_kernel_call"),
-                                           ("ffi", "triton_kernel_call_ffi"),
-                                           ("legacy", "triton_kernel_call")])
-def test_the_custom_call_target_follows_the_switch(monkeypatch, value, target):
+@pytest.mark.parametrize("value, gemm, attention", [
+    (None, "triton_kernel_call_ffi", "triton_kernel_call"),  # the default is "layers"
+    ("layers", "triton_kernel_call_ffi", "triton_kernel_call"),
+    ("ffi", "triton_kernel_call_ffi", "triton_kernel_call_ffi"),
+    ("legacy", "triton_kernel_call", "triton_kernel_call")])
+def test_the_custom_call_target_follows_the_switch(monkeypatch, value, gemm, attention):
     from pallas_kernels._triton_launch import custom_call_target
 
     if value is None:
         monkeypatch.delenv("JENGINE_TRITON_CALL", raising=False)
     else:
         monkeypatch.setenv("JENGINE_TRITON_CALL", value)
-    assert custom_call_target() == target
+    assert custom_call_target("grouped_gemm_kernel") == gemm
+    assert custom_call_target("attention_split_kernel") == attention
 
 
 def test_layers_keeps_the_attention_launches_legacy(monkeypatch):
