@@ -115,7 +115,8 @@ def import_jax_triton():
 # jaxlib's typed-FFI handler for the same kernel proto (the one Pallas' Triton lowering uses, in
 # every jaxlib we admit), declared command-buffer compatible; it takes the zlib-compressed proto as
 # the attribute "opaque". Same PTX, same launch parameters: only the host side of the call changes
-# (goldens unchanged under "ffi" on the H200, eleventh session, and "layers" on the H100, thirty-eighth).
+# (goldens unchanged under "ffi" on the H200, eleventh session, and "layers" on the H100,
+# thirty-eighth).
 # Which launches take which (JENGINE_TRITON_CALL):
 # - "ffi", every launch: the whole decode step is one CUDA graph. Pipelined a little faster, but a
 #   step blocked on is 1.4-3.5 ms slower (nothing runs until the host has updated and launched the
@@ -124,10 +125,12 @@ def import_jax_triton():
 # - "layers", the default since the thirty-eighth session: the attention launches (the ones that
 #   read the step's own inputs -- positions, page tables -- and write the KV pages) stay legacy,
 #   so they end a graph, and the rest (GEMMs, norms, activations) join XLA's command buffers: a
-#   graph a layer, launched as the host reaches it. H100, two A/B runs, rl-bitwise against
-#   "legacy": the Engine workload 4760 -> 4850 and 4722 -> 4827 tok/s (its decode step at 64 rows
-#   10.2 -> 9.9 ms), the pipelined bs 1 step 6.79 -> 6.73 and 6.82 -> 6.75 ms; a step blocked on
-#   +0.45 / +0.68 ms at bs 1, and the Engine with overlap off 2-4 % slower.
+#   graph a layer, launched as the host reaches it. H100, rl-bitwise against "legacy": the Engine
+#   workload 4760 -> 4850 and 4722 -> 4827 tok/s (its decode step at 64 rows 10.2 -> 9.9 ms), the
+#   pipelined bs 1 step 6.79 -> 6.73, 6.82 -> 6.75 and 6.84 -> 6.78 ms; but a step blocked on is
+#   0.45-0.9 ms slower at bs 1 (the host updates the graphs before they run), and the Engine with
+#   overlap off 2-4 % slower. The gap after a Triton launch barely shrinks inside a graph, so
+#   most of rl-bitwise's bs 1 idle is not the launch path (docs/performance.md, thirty-eighth).
 # - "legacy", every launch on jax-triton's own call.
 FFI_TARGET = "triton_kernel_call_ffi"
 LEGACY_TARGET = "triton_kernel_call"

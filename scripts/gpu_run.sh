@@ -52,6 +52,8 @@
 #                  on legacy and layers
 #   engine_layers_ab_rl  rl-bitwise's Engine workload on the legacy call, then on "layers" (the
 #                  default since the thirty-eighth session); engine_layers_ab_auto the same for auto
+#   layers_flags_ab  rl-bitwise decode bs 1 / 64 on legacy, layers, and layers with two XLA flags
+#                  that may cut the host's command-buffer updates (trace cache 64, exclusive lock)
 #   goldens_check_layers  goldens_check with JENGINE_TRITON_CALL=layers (same PTX: same bits)
 #   gemm_decode_tiles2  timings only, per shape, of launch shapes around the table's by_m picks
 #   merge_stages_ab  both modes' bs 1 and 16 x 8k rows with the split launch's merge pipelined
@@ -372,6 +374,12 @@ for s in "$@"; do
     engine_layers_ab_rl)  # rl-bitwise's Engine workload on the legacy call, then on "layers"
       JENGINE_TRITON_CALL=legacy step bench_engine_rl_legacy 280 python3 -m jengine.cli bench --parts engine --numerics rl-bitwise --part-timeout 270 --out "$out/bench_engine_rl_legacy"
       JENGINE_TRITON_CALL=layers step bench_engine_rl_layers 280 python3 -m jengine.cli bench --parts engine --numerics rl-bitwise --part-timeout 270 --out "$out/bench_engine_rl_layers" ;;
+    layers_flags_ab)  # rl-bitwise decode bs 1 / 64 (blocked on and pipelined): legacy, layers, layers with a larger command-buffer trace cache, layers with the executable's exclusive GPU lock
+      a="--parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 140"
+      JENGINE_TRITON_CALL=legacy step model_rl_call_legacy 150 python3 -m jengine.cli bench $a --out "$out/model_rl_call_legacy"
+      JENGINE_TRITON_CALL=layers step model_rl_call_layers 150 python3 -m jengine.cli bench $a --out "$out/model_rl_call_layers"
+      JENGINE_TRITON_CALL=layers XLA_FLAGS="--xla_cmd_buffer_trace_cache_size=64" step model_rl_layers_cache64 150 python3 -m jengine.cli bench $a --out "$out/model_rl_layers_cache64"
+      JENGINE_TRITON_CALL=layers XLA_FLAGS="--xla_gpu_require_exclusive_lock=true" step model_rl_layers_lock 150 python3 -m jengine.cli bench $a --out "$out/model_rl_layers_lock" ;;
     engine_layers_ab_auto)  # auto's Engine workload on the legacy call, then on "layers"
       JENGINE_TRITON_CALL=legacy step bench_engine_auto_legacy 280 python3 -m jengine.cli bench --parts engine --numerics auto --part-timeout 270 --out "$out/bench_engine_auto_legacy"
       JENGINE_TRITON_CALL=layers step bench_engine_auto_layers 280 python3 -m jengine.cli bench --parts engine --numerics auto --part-timeout 270 --out "$out/bench_engine_auto_layers" ;;
