@@ -37,6 +37,11 @@
 #                  experiment): bits vs the grouped GEMM + SiLU and JAX vs torch, µs per layer at
 #                  M = 1..4096 for three launch shapes (the one-program form ran in the eighteenth
 #                  session; the pair form not yet)
+#   smem_gaps      scripts/gpu_smem_gaps.py: one kernel chained 256 times, each launch asking for the
+#                  shared memory a pattern gives it (0 / 64K / 96K, alternating, rl-bitwise's layer):
+#                  does a change of the L1 / shared split between launches cost device time (µs a launch)
+#   smem_floor_ab  rl-bitwise decode bs 1 / 64 with JENGINE_TRITON_SHARED_FLOOR 0, 64 KiB, 96 KiB, 0
+#                  (the floor on launches of <= 264 programs; same PTX, so same bits)
 #   silu_down      scripts/gpu_silu_down.py: down_proj with SwiGLU's activation made in the loads
 #                  of its A (an experiment): bits vs the SiLU launch + down_proj, µs per layer
 #   gemm_prefill_warps  the wide prefill tile on 8 warps (today's, which spills) and on 16: bits, ms
@@ -438,6 +443,14 @@ for s in "$@"; do
       step gemm_persistent 420 python3 scripts/gpu_gemm_persistent.py --budget-s 380 --out "$out/gemm_persistent" ;;
     gemm_add_norm)  # an experiment: the layer boundary inside o_proj / down_proj's launch (bits, µs per layer)
       step gemm_add_norm 240 python3 scripts/gpu_gemm_add_norm.py --out "$out/gemm_add_norm" ;;
+    smem_gaps)  # does a change of shared memory between two launches cost device time
+      step smem_gaps 200 python3 scripts/gpu_smem_gaps.py --out "$out/smem_gaps" ;;
+    smem_floor_ab)  # rl-bitwise decode bs 1 / 64 under shared-memory floors on the small launches
+      a="--parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 140"
+      JENGINE_TRITON_SHARED_FLOOR=0 step model_rl_floor_0 150 python3 -m jengine.cli bench $a --out "$out/model_rl_floor_0"
+      JENGINE_TRITON_SHARED_FLOOR=65536 step model_rl_floor_64k 150 python3 -m jengine.cli bench $a --out "$out/model_rl_floor_64k"
+      JENGINE_TRITON_SHARED_FLOOR=98304 step model_rl_floor_96k 150 python3 -m jengine.cli bench $a --out "$out/model_rl_floor_96k"
+      JENGINE_TRITON_SHARED_FLOOR=0 step model_rl_floor_0b 150 python3 -m jengine.cli bench $a --out "$out/model_rl_floor_0b" ;;
     silu_down)  # an experiment: down_proj with SwiGLU's activation made in its A loads (bits, µs per layer at M = 1..64)
       step silu_down 240 python3 scripts/gpu_silu_down.py --out "$out/silu_down" ;;
     gemm_swiglu)  # an experiment: SwiGLU's activation inside the gate/up launch (bits, µs per layer)
