@@ -40,6 +40,7 @@
 #   smem_gaps      scripts/gpu_smem_gaps.py: one kernel chained 256 times, each launch asking for the
 #                  shared memory a pattern gives it (0 / 64K / 96K, alternating, rl-bitwise's layer):
 #                  does a change of the L1 / shared split between launches cost device time (µs a launch)
+#   profile_bs1_rl_floor  profile_bs1_rl with JENGINE_TRITON_SHARED_FLOOR=65536 (in $out/floor)
 #   smem_floor_ab  rl-bitwise decode bs 1 / 64 with JENGINE_TRITON_SHARED_FLOOR 0, 64 KiB, 96 KiB, 0
 #                  (the floor on launches of <= 264 programs; same PTX, so same bits)
 #   silu_down      scripts/gpu_silu_down.py: down_proj with SwiGLU's activation made in the loads
@@ -503,6 +504,8 @@ for s in "$@"; do
     profile_prefill)
       step profile_prefill_auto 150 python3 scripts/gpu_profile_step.py --numerics auto --prefill 4096 --steps 3 --out "$out"
       step profile_prefill_rl 150 python3 scripts/gpu_profile_step.py --numerics rl-bitwise --prefill 4096 --steps 3 --out "$out" ;;
+    profile_bs1_rl_floor)  # profile_bs1_rl with JENGINE_TRITON_SHARED_FLOOR=65536 (the gaps after each launch)
+      mkdir -p "$out/floor"; JENGINE_TRITON_SHARED_FLOOR=65536 step profile_bs1_rl_floor 100 python3 scripts/gpu_profile_step.py --numerics rl-bitwise --batch 1 --out "$out/floor" ;;
     profile_bs1_rl) step profile_bs1_rl 100 python3 scripts/gpu_profile_step.py --numerics rl-bitwise --batch 1 --out "$out" ;;
     profile_bs1)
       step profile_bs1_auto 100 python3 scripts/gpu_profile_step.py --numerics auto --batch 1 --out "$out"
