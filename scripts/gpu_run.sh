@@ -37,9 +37,12 @@
 #                  experiment): bits vs the grouped GEMM + SiLU and JAX vs torch, µs per layer at
 #                  M = 1..4096 for three launch shapes (the one-program form ran in the eighteenth
 #                  session; the pair form not yet)
-#   smem_gaps      scripts/gpu_smem_gaps.py: one kernel chained 256 times, each launch asking for the
-#                  shared memory a pattern gives it (0 / 64K / 96K, alternating, rl-bitwise's layer):
-#                  does a change of the L1 / shared split between launches cost device time (µs a launch)
+#   smem_gaps      scripts/gpu_launch_gaps.py --parts smem: one kernel chained 256 times in a CUDA
+#                  graph, each launch asking for the shared memory a pattern gives it (0 / 64K / 96K,
+#                  alternating, rl-bitwise's layer): does a change of the L1 / shared split between
+#                  launches cost device time (µs a launch)
+#   launch_forms   the same script --parts forms: the kernel with 2 arguments, with 20, and counting
+#                  its programs with last_to_arrive (µs a launch)
 #   profile_bs1_rl_floor  profile_bs1_rl with JENGINE_TRITON_SHARED_FLOOR=65536 (in $out/floor)
 #   smem_floor_ab  rl-bitwise decode bs 1 / 64 with JENGINE_TRITON_SHARED_FLOOR 0, 64 KiB, 96 KiB, 0
 #                  (the floor on launches of <= 264 programs; same PTX, so same bits)
@@ -445,7 +448,9 @@ for s in "$@"; do
     gemm_add_norm)  # an experiment: the layer boundary inside o_proj / down_proj's launch (bits, µs per layer)
       step gemm_add_norm 240 python3 scripts/gpu_gemm_add_norm.py --out "$out/gemm_add_norm" ;;
     smem_gaps)  # does a change of shared memory between two launches cost device time
-      step smem_gaps 200 python3 scripts/gpu_smem_gaps.py --out "$out/smem_gaps" ;;
+      step smem_gaps 200 python3 scripts/gpu_launch_gaps.py --parts smem --out "$out/smem_gaps" ;;
+    launch_forms)  # the kernel with 2 / 20 arguments and counting its programs: µs a launch in a graph
+      step launch_forms 200 python3 scripts/gpu_launch_gaps.py --parts forms --out "$out/launch_forms" ;;
     smem_floor_ab)  # rl-bitwise decode bs 1 / 64 under shared-memory floors on the small launches
       a="--parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 140"
       JENGINE_TRITON_SHARED_FLOOR=0 step model_rl_floor_0 150 python3 -m jengine.cli bench $a --out "$out/model_rl_floor_0"
