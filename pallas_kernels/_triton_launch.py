@@ -177,90 +177,41 @@ def restate_as_ffi(op):
 # Triton's `maxnreg` (a launch's register bound, PTX .maxnreg): jax-triton 0.3.1 has no argument
 # for it, so jax_launch carries it as the primitive parameter MAXNREG_PARAM, which our lowering
 # takes off before jax-triton's own runs and compiles the kernel with a backend whose options add
-# it. The same way SHARED_FLOOR_PARAM carries a launch's shared-memory floor (below). jax-triton's
-# compile cache keys on neither, so such a launch compiles under a cache of its own (swapped in for
-# the call, under a lock: two lowerings at once would see each other's).
+# it. jax-triton's compile cache keys on neither, so a bounded launch compiles under a cache of its
+# own bound (swapped in for the call, under a lock: two lowerings at once would see each other's).
 MAXNREG_PARAM = "jengine_maxnreg"
-SHARED_FLOOR_PARAM = "jengine_shared_floor"
-_OWN_CACHES: dict[tuple, dict] = {}
+_BOUNDED_CACHES: dict[int, dict] = {}
 _LOWERING_LOCK = threading.RLock()
-
-# A launch's shared-memory floor (an experiment, off by default; the thirty-ninth session): the
-# launch asks the driver for at least this many bytes of dynamic shared memory, used or not. Same
-# PTX, so the same bits. Why: an SM's L1 / shared split (the carveout) is set per launch from the
-# kernel's needs, and changing it between two kernels may cost the SM a drain. rl-bitwise's decode
-# step alternates kernels with no shared memory (the boundary, SiLU) with GEMMs on 64-96 KB, and
-# idles ~2.1 us after each Triton launch against ~0.8 after XLA's (H100 profile). A floor on the
-# small launches would give every launch of a step one carveout. JENGINE_TRITON_SHARED_FLOOR
-# (bytes) applies it to launches of at most JENGINE_TRITON_SHARED_FLOOR_PROGRAMS programs (a
-# floor caps the programs an SM holds; a wide grid of short programs would need more waves).
-SHARED_FLOOR_PROGRAMS = 264
-
-
-def shared_floor_for(grid) -> int:
-    """The floor (bytes) JENGINE_TRITON_SHARED_FLOOR puts on a launch of `grid`; 0: none."""
-    import os
-
-    floor = int(os.environ.get("JENGINE_TRITON_SHARED_FLOOR", "0") or 0)
-    if floor <= 0 or callable(grid):
-        return 0
-    limit = int(os.environ.get("JENGINE_TRITON_SHARED_FLOOR_PROGRAMS", SHARED_FLOOR_PROGRAMS))
-    programs = int(np.prod([int(g) for g in (grid if isinstance(grid, (tuple, list)) else [grid])]))
-    return floor if programs <= limit else 0
-
-
-class _FlooredKernels:
-    """jaxlib's Triton module as jax-triton sees it, but a compiled kernel's launch asks for at
-    least `floor` bytes of shared memory."""
-
-    def __init__(self, real, floor: int):
-        self._real, self._floor = real, floor
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-    def TritonKernel(self, name, num_warps, num_ctas, shared_mem_bytes, *rest):  # noqa: N802
-        return self._real.TritonKernel(name, num_warps, num_ctas,
-                                       max(int(shared_mem_bytes), self._floor), *rest)
 
 
 @contextlib.contextmanager
-def _launch_overrides(lib, maxnreg: int | None, shared_floor: int | None):
-    """jax-triton's CUDA backend factory, with `maxnreg` in every option set it parses, and its
-    kernels' launches on at least `shared_floor` bytes of shared memory."""
-    if not maxnreg and not shared_floor:
+def _bounded_backend(lib, maxnreg: int | None):
+    """jax-triton's CUDA backend factory, with `maxnreg` in every option set it parses."""
+    if not maxnreg:
         yield lib.get_cuda_backend
         return
 
     def backend_init(device, compute_capability):
         backend = lib.get_cuda_backend(device, compute_capability)
-        if maxnreg:
-            parse = backend.parse_options
-            backend.parse_options = lambda options: parse({**options, "maxnreg": maxnreg})
+        parse = backend.parse_options
+        backend.parse_options = lambda options: parse({**options, "maxnreg": maxnreg})
         return backend
 
     shared = lib._COMPILED_KERNEL_CACHE
-    lib._COMPILED_KERNEL_CACHE = _OWN_CACHES.setdefault((maxnreg, shared_floor), {})
-    kernels = lib.triton_kernel_call_lib if shared_floor else None
-    if shared_floor:
-        lib.triton_kernel_call_lib = _FlooredKernels(kernels, int(shared_floor))
+    lib._COMPILED_KERNEL_CACHE = _BOUNDED_CACHES.setdefault(maxnreg, {})
     try:
         yield backend_init
     finally:
         lib._COMPILED_KERNEL_CACHE = shared
-        if shared_floor:
-            lib.triton_kernel_call_lib = kernels
 
 
 def _lower(lib, ctx, *args, custom_call_target_name, **params):
     """jax-triton's lowering of one Triton call (`lib`: jax_triton.triton_lib), with the register
-    bound and shared-memory floor the launch asks for (MAXNREG_PARAM, SHARED_FLOOR_PARAM); a call
-    whose target is FFI_TARGET is lowered as a legacy one (jax-triton spells every call so), then
-    restated as a typed-FFI one."""
+    bound the launch asks for (MAXNREG_PARAM); a call whose target is FFI_TARGET is lowered as a
+    legacy one (jax-triton spells every call so), then restated as a typed-FFI one."""
     maxnreg = params.pop(MAXNREG_PARAM, None)
-    shared_floor = params.pop(SHARED_FLOOR_PARAM, None)
     ffi = custom_call_target_name == FFI_TARGET
-    with _LOWERING_LOCK, _launch_overrides(lib, maxnreg, shared_floor) as backend_init:
+    with _LOWERING_LOCK, _bounded_backend(lib, maxnreg) as backend_init:
         results = lib.triton_kernel_call_lowering(
             backend_init, ctx, *args,
             custom_call_target_name=LEGACY_TARGET if ffi else custom_call_target_name, **params)
@@ -331,16 +282,13 @@ def _give_counters(buffer) -> None:
 
 def jax_launch(kernel, inputs: Sequence[Any], out_shapes, grid, *, num_warps: int,
                num_stages: int, enable_fp_fusion: bool = True, maxnreg: int | None = None,
-               input_output_aliases: dict[int, int] | None = None,
-               shared_floor: int | None = None, **constexprs):
+               input_output_aliases: dict[int, int] | None = None, **constexprs):
     """Launch `kernel` from JAX. `inputs` are arrays and Python scalars, in kernel order; a
     `Counters` may be the last (see there).
     enable_fp_fusion=False: no mul+add contraction (LLVM contract off, ptxas --fmad=false).
     maxnreg: a register bound (MAXNREG_PARAM says how it gets to the compiler).
     input_output_aliases: {array input index: output index}, an output that is its input's buffer
-    (updated in place where XLA can donate it; the kernel gets both pointers).
-    shared_floor: the launch's least shared memory in bytes (SHARED_FLOOR_PARAM); None: what
-    JENGINE_TRITON_SHARED_FLOOR says for this grid (shared_floor_for)."""
+    (updated in place where XLA can donate it; the kernel gets both pointers)."""
     jt = import_jax_triton()
     _register_ffi_lowering(jt)
     inputs = list(inputs)
@@ -356,9 +304,6 @@ def jax_launch(kernel, inputs: Sequence[Any], out_shapes, grid, *, num_warps: in
         outs.append(jax.ShapeDtypeStruct(buffer.shape, jnp.int32))
     if maxnreg:
         constexprs[MAXNREG_PARAM] = maxnreg
-    floor = shared_floor_for(grid) if shared_floor is None else int(shared_floor)
-    if floor:
-        constexprs[SHARED_FLOOR_PARAM] = floor
     results = jt.triton_call(*inputs, kernel=kernel, out_shape=tuple(outs), grid=grid,
                              num_warps=num_warps, num_stages=num_stages,
                              enable_fp_fusion=enable_fp_fusion, input_output_aliases=aliases,

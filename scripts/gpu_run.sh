@@ -37,15 +37,9 @@
 #                  experiment): bits vs the grouped GEMM + SiLU and JAX vs torch, µs per layer at
 #                  M = 1..4096 for three launch shapes (the one-program form ran in the eighteenth
 #                  session; the pair form not yet)
-#   smem_gaps      scripts/gpu_launch_gaps.py --parts smem: one kernel chained 256 times in a CUDA
-#                  graph, each launch asking for the shared memory a pattern gives it (0 / 64K / 96K,
-#                  alternating, rl-bitwise's layer): does a change of the L1 / shared split between
-#                  launches cost device time (µs a launch)
-#   launch_forms   the same script --parts forms: the kernel with 2 arguments, with 20, and counting
-#                  its programs with last_to_arrive (µs a launch)
-#   profile_bs1_rl_floor  profile_bs1_rl with JENGINE_TRITON_SHARED_FLOOR=65536 (in $out/floor)
-#   smem_floor_ab  rl-bitwise decode bs 1 / 64 with JENGINE_TRITON_SHARED_FLOOR 0, 64 KiB, 96 KiB, 0
-#                  (the floor on launches of <= 264 programs; same PTX, so same bits)
+#   launch_forms   scripts/gpu_launch_gaps.py: one kernel chained 256 times in a CUDA graph, with 2
+#                  arguments, with 20, and counting its programs with last_to_arrive (µs a launch;
+#                  run twice: launch_forms, launch_forms_2)
 #   silu_down      scripts/gpu_silu_down.py: down_proj with SwiGLU's activation made in the loads
 #                  of its A (an experiment): bits vs the SiLU launch + down_proj, µs per layer
 #   gemm_prefill_warps  the wide prefill tile on 8 warps (today's, which spills) and on 16: bits, ms
@@ -447,16 +441,8 @@ for s in "$@"; do
       step gemm_persistent 420 python3 scripts/gpu_gemm_persistent.py --budget-s 380 --out "$out/gemm_persistent" ;;
     gemm_add_norm)  # an experiment: the layer boundary inside o_proj / down_proj's launch (bits, µs per layer)
       step gemm_add_norm 240 python3 scripts/gpu_gemm_add_norm.py --out "$out/gemm_add_norm" ;;
-    smem_gaps)  # does a change of shared memory between two launches cost device time
-      step smem_gaps 200 python3 scripts/gpu_launch_gaps.py --parts smem --out "$out/smem_gaps" ;;
-    launch_forms)  # the kernel with 2 / 20 arguments and counting its programs: µs a launch in a graph
-      step launch_forms 200 python3 scripts/gpu_launch_gaps.py --parts forms --out "$out/launch_forms" ;;
-    smem_floor_ab)  # rl-bitwise decode bs 1 / 64 under shared-memory floors on the small launches
-      a="--parts model --numerics rl-bitwise --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 140"
-      JENGINE_TRITON_SHARED_FLOOR=0 step model_rl_floor_0 150 python3 -m jengine.cli bench $a --out "$out/model_rl_floor_0"
-      JENGINE_TRITON_SHARED_FLOOR=65536 step model_rl_floor_64k 150 python3 -m jengine.cli bench $a --out "$out/model_rl_floor_64k"
-      JENGINE_TRITON_SHARED_FLOOR=98304 step model_rl_floor_96k 150 python3 -m jengine.cli bench $a --out "$out/model_rl_floor_96k"
-      JENGINE_TRITON_SHARED_FLOOR=0 step model_rl_floor_0b 150 python3 -m jengine.cli bench $a --out "$out/model_rl_floor_0b" ;;
+    launch_forms|launch_forms_2)  # the kernel with 2 / 20 arguments and counting its programs: µs a launch in a graph
+      step "$s" 200 python3 scripts/gpu_launch_gaps.py --iters 50 --out "$out/$s" ;;
     silu_down)  # an experiment: down_proj with SwiGLU's activation made in its A loads (bits, µs per layer at M = 1..64)
       step silu_down 240 python3 scripts/gpu_silu_down.py --out "$out/silu_down" ;;
     gemm_swiglu)  # an experiment: SwiGLU's activation inside the gate/up launch (bits, µs per layer)
@@ -509,8 +495,6 @@ for s in "$@"; do
     profile_prefill)
       step profile_prefill_auto 150 python3 scripts/gpu_profile_step.py --numerics auto --prefill 4096 --steps 3 --out "$out"
       step profile_prefill_rl 150 python3 scripts/gpu_profile_step.py --numerics rl-bitwise --prefill 4096 --steps 3 --out "$out" ;;
-    profile_bs1_rl_floor)  # profile_bs1_rl with JENGINE_TRITON_SHARED_FLOOR=65536 (the gaps after each launch)
-      mkdir -p "$out/floor"; JENGINE_TRITON_SHARED_FLOOR=65536 step profile_bs1_rl_floor 100 python3 scripts/gpu_profile_step.py --numerics rl-bitwise --batch 1 --out "$out/floor" ;;
     profile_bs1_rl) step profile_bs1_rl 100 python3 scripts/gpu_profile_step.py --numerics rl-bitwise --batch 1 --out "$out" ;;
     profile_bs1)
       step profile_bs1_auto 100 python3 scripts/gpu_profile_step.py --numerics auto --batch 1 --out "$out"

@@ -437,66 +437,6 @@ def test_bench_bytes_match_the_published_llama3_8b_size():
     assert weights_read + embedding + norms == 8_030_261_248  # HF model card parameter count
 
 
-@pytest.mark.parametrize("floor, limit, grid, expected", [
-    (None, None, (1,), 0),  # off by default
-    ("65536", None, (1,), 65536),
-    ("65536", None, (264,), 65536),  # the default program limit, SHARED_FLOOR_PROGRAMS
-    ("65536", None, (265,), 0),
-    ("65536", None, (8, 40), 0),  # programs multiply over the grid's axes
-    ("65536", "1000", (8, 40), 65536),
-    ("65536", None, 3, 65536),
-    ("65536", None, lambda meta: (1,), 0)])  # a grid that depends on the metaparameters: none
-def test_the_shared_floor_follows_the_switch_and_the_grid(monkeypatch, floor, limit, grid,
-                                                          expected):
-    from pallas_kernels._triton_launch import shared_floor_for
-
-    for name, value in (("JENGINE_TRITON_SHARED_FLOOR", floor),
-                        ("JENGINE_TRITON_SHARED_FLOOR_PROGRAMS", limit)):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
-    assert shared_floor_for(grid) == expected
-
-
-def test_a_shared_floor_raises_only_the_launch_s_shared_memory():
-    # The lowering's overrides on a stand-in for jax-triton's module: inside, a compiled kernel's
-    # launch asks for at least the floor (never less than its own need), under a compile cache of
-    # its own; outside, jax-triton's module, cache and backend are as they were.
-    from pallas_kernels._triton_launch import _launch_overrides
-
-    made = []
-
-    class Kernels:
-        def TritonKernel(self, name, warps, ctas, shared, binary, ttir, cc):  # noqa: N802
-            made.append((name, shared, binary))
-            return name
-
-        def get_compute_capability(self, device):
-            return 90
-
-    class Backend:
-        def parse_options(self, options):
-            return options
-
-    real, cache = Kernels(), {"k": "cached"}
-    lib = types.SimpleNamespace(_COMPILED_KERNEL_CACHE=cache, triton_kernel_call_lib=real,
-                                get_cuda_backend=lambda device, cc: Backend())
-    with _launch_overrides(lib, None, 65536) as backend_init:
-        assert lib._COMPILED_KERNEL_CACHE is not cache
-        assert lib.triton_kernel_call_lib.get_compute_capability(0) == 90
-        lib.triton_kernel_call_lib.TritonKernel("small", 1, 1, 0, b"ptx", "ttir", 90)
-        lib.triton_kernel_call_lib.TritonKernel("big", 4, 1, 98304, b"ptx", "ttir", 90)
-        assert backend_init(0, 90).parse_options({"a": 1}) == {"a": 1}
-    assert made == [("small", 65536, b"ptx"), ("big", 98304, b"ptx")]
-    assert lib._COMPILED_KERNEL_CACHE is cache and lib.triton_kernel_call_lib is real
-    with _launch_overrides(lib, 128, None) as backend_init:  # a register bound alone
-        assert lib.triton_kernel_call_lib is real
-        assert backend_init(0, 90).parse_options({"a": 1}) == {"a": 1, "maxnreg": 128}
-    with _launch_overrides(lib, None, None) as backend_init:
-        assert lib._COMPILED_KERNEL_CACHE is cache and backend_init is lib.get_cuda_backend
-
-
 # -- GPU -------------------------------------------------------------------------------------------
 
 
