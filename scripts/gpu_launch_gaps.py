@@ -14,6 +14,11 @@ in the way), at 1 and 132 programs of 1024 elements, in three forms:
   counted   counting its programs with the engine's `last_to_arrive` (the acquire / release
             atomic the split-K GEMM's fused reduce and the split attention's merge use), one
             counter buffer threaded through the chain as the model step threads it
+  release   the same count as a release atomic, the last program acquiring with a second
+            atomic, a compare-and-swap that also resets the counter (what the merge needs, split
+            in two: is the acquire half of the cost?)
+  relaxed   the count as a relaxed atomic: orders nothing, so no merge could use it; the floor
+            under the other two (one atomic's round trip to L2)
 
 Time: the median over --iters calls, blocked on, per launch. Each chain's result is checked
 (every launch adds 1). Writes launch_gaps.json / .md to --out.
@@ -62,8 +67,27 @@ def kernels():
         tl.store(y_ptr + offs, tl.load(x_ptr + offs) + 1.0)
         last_to_arrive(counters, tl.num_programs(0))
 
+    @triton.jit
+    def touch_release(x_ptr, counters_in, y_ptr, counters, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs) + 1.0)
+        tl.debug_barrier()
+        if tl.atomic_add(counters, 1, sem="release", scope="gpu") == tl.num_programs(0) - 1:
+            # The acquire and the reset in one atomic (an acquiring add of 0 whose result goes
+            # unused is dropped by the compiler).
+            tl.atomic_cas(counters, tl.num_programs(0), 0, sem="acquire", scope="gpu")
+
+    @triton.jit
+    def touch_relaxed(x_ptr, counters_in, y_ptr, counters, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs) + 1.0)
+        tl.debug_barrier()
+        if tl.atomic_add(counters, 1, sem="relaxed", scope="gpu") == tl.num_programs(0) - 1:
+            tl.atomic_xchg(counters, 0, sem="relaxed", scope="gpu")
+
     return {"2 args": (touch, "plain"), "20 args": (touch_args, "args"),
-            "counted": (touch_counted, "counted")}
+            "counted": (touch_counted, "counted"), "release": (touch_release, "counted"),
+            "relaxed": (touch_relaxed, "counted")}
 
 
 def chain(kernel, form, launches, programs):
