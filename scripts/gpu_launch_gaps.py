@@ -6,7 +6,7 @@ rl-bitwise's bs 1 decode step idles ~2.1 µs after each of its ~260 Triton launc
 µs after XLA's own kernels (H100 profile, docs/performance.md), and the gap barely shrinks inside a
 CUDA graph, so it is not the host's launch path. This script times one kernel (y = x + 1) chained
 `--launches` times in one jitted function, every launch a typed-FFI call (one CUDA graph: no host
-in the way), at 1 and 132 programs of 1024 elements, in three forms:
+in the way), at 1 and 132 programs of 1024 elements, in five forms:
 
   2 args    the kernel alone
   20 args   with 18 more arguments it never reads (6 pointers, 12 integers: the engine's GEMM
@@ -37,57 +37,58 @@ import statistics
 import sys
 import time
 
+import triton
+import triton.language as tl
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from pallas_kernels._triton_kernels import last_to_arrive  # noqa: E402
 
 PROGRAMS = (1, 132)
 BLOCK = 1024
 
 
-def kernels():
-    import triton
-    import triton.language as tl
+@triton.jit
+def touch(x_ptr, y_ptr, BLOCK: tl.constexpr):  # the kernel, and every other form's body
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs) + 1.0)
 
-    from pallas_kernels._triton_kernels import last_to_arrive
 
-    @triton.jit
-    def touch(x_ptr, y_ptr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(y_ptr + offs, tl.load(x_ptr + offs) + 1.0)
+@triton.jit
+def touch_args(x_ptr, p0, p1, p2, p3, p4, p5, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11,
+               y_ptr, BLOCK: tl.constexpr):
+    touch(x_ptr, y_ptr, BLOCK)
 
-    @triton.jit
-    def touch_args(x_ptr, p0, p1, p2, p3, p4, p5, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10,
-                   s11, y_ptr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(y_ptr + offs, tl.load(x_ptr + offs) + 1.0)
 
-    @triton.jit
-    def touch_counted(x_ptr, counters_in, y_ptr, counters, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(y_ptr + offs, tl.load(x_ptr + offs) + 1.0)
-        last_to_arrive(counters, tl.num_programs(0))
+@triton.jit
+def touch_counted(x_ptr, counters_in, y_ptr, counters, BLOCK: tl.constexpr):
+    touch(x_ptr, y_ptr, BLOCK)
+    last_to_arrive(counters, tl.num_programs(0))
 
-    @triton.jit
-    def touch_release(x_ptr, counters_in, y_ptr, counters, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(y_ptr + offs, tl.load(x_ptr + offs) + 1.0)
-        tl.debug_barrier()
-        if tl.atomic_add(counters, 1, sem="release", scope="gpu") == tl.num_programs(0) - 1:
-            # The acquire and the reset in one atomic (an acquiring add of 0 whose result goes
-            # unused is dropped by the compiler).
-            tl.atomic_cas(counters, tl.num_programs(0), 0, sem="acquire", scope="gpu")
 
-    @triton.jit
-    def touch_relaxed(x_ptr, counters_in, y_ptr, counters, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(y_ptr + offs, tl.load(x_ptr + offs) + 1.0)
-        tl.debug_barrier()
-        if tl.atomic_add(counters, 1, sem="relaxed", scope="gpu") == tl.num_programs(0) - 1:
-            tl.atomic_xchg(counters, 0, sem="relaxed", scope="gpu")
+@triton.jit
+def touch_release(x_ptr, counters_in, y_ptr, counters, BLOCK: tl.constexpr):
+    touch(x_ptr, y_ptr, BLOCK)
+    tl.debug_barrier()
+    if tl.atomic_add(counters, 1, sem="release", scope="gpu") == tl.num_programs(0) - 1:
+        # The acquire and the reset in one atomic (an acquiring add of 0 whose result goes
+        # unused is dropped by the compiler).
+        tl.atomic_cas(counters, tl.num_programs(0), 0, sem="acquire", scope="gpu")
 
-    return {"2 args": (touch, "plain"), "20 args": (touch_args, "args"),
-            "counted": (touch_counted, "counted"), "release": (touch_release, "counted"),
-            "relaxed": (touch_relaxed, "counted")}
+
+@triton.jit
+def touch_relaxed(x_ptr, counters_in, y_ptr, counters, BLOCK: tl.constexpr):
+    touch(x_ptr, y_ptr, BLOCK)
+    tl.debug_barrier()
+    if tl.atomic_add(counters, 1, sem="relaxed", scope="gpu") == tl.num_programs(0) - 1:
+        tl.atomic_xchg(counters, 0, sem="relaxed", scope="gpu")
+
+
+# name -> (kernel, the extra inputs chain() passes it)
+FORMS = {"2 args": (touch, "plain"), "20 args": (touch_args, "args"),
+         "counted": (touch_counted, "counted"), "release": (touch_release, "counted"),
+         "relaxed": (touch_relaxed, "counted")}
 
 
 def chain(kernel, form, launches, programs):
@@ -98,10 +99,10 @@ def chain(kernel, form, launches, programs):
 
     def run(x):
         spare = [jnp.zeros((16,), jnp.float32) for _ in range(6)]
+        extra = {"plain": [], "args": spare + [3, 5, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37],
+                 "counted": [Counters(1)]}[form]
         with counter_chain():
             for _ in range(launches):
-                extra = {"plain": [], "args": spare + [3, 5, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37],
-                         "counted": [Counters(1)]}[form]
                 x = jax_launch(kernel, [x] + extra, jax.ShapeDtypeStruct(x.shape, x.dtype),
                                (programs,), num_warps=4, num_stages=1, BLOCK=BLOCK)
         return x
@@ -130,11 +131,10 @@ def main() -> int:
     import jax
     import jax.numpy as jnp
 
-    forms = kernels()
     rows = []
     for programs in PROGRAMS:
         x = jnp.zeros((programs * BLOCK,), jnp.float32)
-        for name, (kernel, form) in forms.items():
+        for name, (kernel, form) in FORMS.items():
             fn = chain(kernel, form, args.launches, programs)
             us = time_us(fn, x, args.iters) / args.launches
             got = float(jax.device_get(fn(x))[0])
@@ -150,8 +150,8 @@ def main() -> int:
     with open(os.path.join(args.out, "launch_gaps.md"), "w") as f:
         f.write(f"# Launch gaps ({device}, {args.launches} typed-FFI launches a call, µs a "
                 f"launch, median of {args.iters})\n\n")
-        f.write(f"| programs x {BLOCK} | " + " | ".join(forms) + " |\n")
-        f.write("|---|" + "---|" * len(forms) + "\n")
+        f.write(f"| programs x {BLOCK} | " + " | ".join(FORMS) + " |\n")
+        f.write("|---|" + "---|" * len(FORMS) + "\n")
         for programs in PROGRAMS:
             cells = [f"{r['us_per_launch']:.3f}" for r in rows if r["programs"] == programs]
             f.write(f"| {programs} | " + " | ".join(cells) + " |\n")
