@@ -70,6 +70,9 @@ class LaunchConfig:
     tp_batch_invariant: str | None = _opt(None, "decode layer without cross-rank sums outside MoE")
     enable_eplb: bool | None = _opt(None, "online expert rebalancing (MoE families)", flag=True)
     disable_autotune: bool | None = _opt(None, "no shape-dependent tactic choice", flag=True)
+    disable_pdl: bool | None = _opt(None, "no programmatic dependent launch: each of XLA's "
+                                    "kernels starts after the one before it has finished",
+                                    flag=True)
     deterministic_ops: bool | None = _opt(None, "XLA deterministic ops flags", flag=True)
     quantization: str | None = _opt(None, "checkpoint quantization (none supported under bitwise)")
 

@@ -54,6 +54,7 @@ SWITCH_DEFAULTS: dict[str, Any] = {
     "tp_batch_invariant": "off",
     "enable_eplb": False,
     "disable_autotune": False,
+    "disable_pdl": False,
     "deterministic_ops": False,
 }
 SWITCHES = tuple(SWITCH_DEFAULTS)
@@ -207,6 +208,7 @@ def _apply_bitwise_pins(cfg: LaunchConfig) -> LaunchConfig:
     t.set("sampling_stream", "per-request")
     t.set("batch_invariant_collectives", True)
     t.set("disable_autotune", True)
+    t.set("disable_pdl", True)
     t.set("deterministic_ops", True)
     cfg = t.result()
     # Online rebalancing makes the expert placement traffic-dependent; only the slot-order combine
@@ -317,6 +319,7 @@ def resolve_launch(cfg: LaunchConfig, *, hardware: str | None = None,
     try:
         flags = xla_environment.flags_for(hardware, deterministic_ops=config.deterministic_ops,
                                           disable_autotune=config.disable_autotune,
+                                          disable_pdl=config.disable_pdl,
                                           probe=probe_xla_flags)
     except xla_environment.XlaFlagError as e:
         raise NumericsRefusal(f"--numerics {config.numerics}: {e}") from e

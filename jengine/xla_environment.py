@@ -5,8 +5,9 @@ Three things must be settled before JAX initialises its backend, because XLA rea
 * which hardware we are on (``cpu`` / ``gpu`` / ``gpu-sm90``) -- detected here WITHOUT initialising
   the backend (env vars, the installed CUDA plugin, the driver's device nodes, ``nvidia-smi``);
 * the deterministic XLA flags the launch's switches ask for (``deterministic_ops``,
-  ``disable_autotune``), each checked against the installed jaxlib first: an unknown flag in
-  ``XLA_FLAGS`` aborts the process (platform-facts.md), so we never put an unverified flag there;
+  ``disable_autotune``, ``disable_pdl``), each checked against the installed jaxlib first: an
+  unknown flag in ``XLA_FLAGS`` aborts the process (platform-facts.md), so we never put an
+  unverified flag there;
 * ``NVIDIA_TF32_OVERRIDE=0`` on GPUs (the spec's "no TF32"; JAX's side is
   ``jax_default_matmul_precision="highest"``, set by ``ResolvedLaunch.apply_environment``).
 
@@ -44,7 +45,8 @@ class XlaFlag:
     why: str
 
 
-# The deterministic flags, per platform. Verified present in jaxlib 0.10.2 (CPU) and 0.11.2 (GPU).
+# The deterministic flags, per platform. Verified present in jaxlib 0.10.2 (CPU) and 0.11.2 (GPU:
+# jaxlib and the cuda13 plugin).
 DETERMINISTIC_XLA_FLAGS: tuple[XlaFlag, ...] = (
     XlaFlag("--xla_allow_excess_precision=false", frozenset({"cpu", "gpu"}), "deterministic_ops", True,
             "keep op-by-op bf16 rounding: XLA may otherwise drop f32->bf16->f32 round trips "
@@ -59,6 +61,13 @@ DETERMINISTIC_XLA_FLAGS: tuple[XlaFlag, ...] = (
             "invariance, which comes from the registry's batch_invariant leaves"),
     XlaFlag("--xla_gpu_autotune_level=0", frozenset({"gpu"}), "disable_autotune", True,
             "no per-shape, per-machine tactic timing: XLA takes the first config"),
+    # On by default in both jaxlibs (the flag's value in their default compile options): XLA then
+    # launches each of its kernels early, the kernel waiting at its entry (griddepcontrol.wait)
+    # for the one before it. That wait precedes every read, so it should not move a bit; the spec
+    # serialises kernel chains anyway, so the contract does not rest on it.
+    XlaFlag("--xla_gpu_enable_pdl=false", frozenset({"gpu"}), "disable_pdl", True,
+            "no programmatic dependent launch: each kernel starts after the one before it has "
+            "finished (the spec's kernels.deterministic)"),
 )
 
 
@@ -153,12 +162,12 @@ def _major(cap) -> int:
 
 
 def flags_for(hardware: str, *, deterministic_ops: bool, disable_autotune: bool,
-              probe: bool = True) -> tuple[str, ...]:
+              disable_pdl: bool = False, probe: bool = True) -> tuple[str, ...]:
     """The deterministic XLA flags these switches ask for on this hardware, verified against jaxlib."""
     platform = "gpu" if hardware.startswith("gpu") else hardware
-    wanted = [f for f in DETERMINISTIC_XLA_FLAGS if platform in f.platforms
-              and ((f.switch == "deterministic_ops" and deterministic_ops)
-                   or (f.switch == "disable_autotune" and disable_autotune))]
+    on = {"deterministic_ops": deterministic_ops, "disable_autotune": disable_autotune,
+          "disable_pdl": disable_pdl}
+    wanted = [f for f in DETERMINISTIC_XLA_FLAGS if platform in f.platforms and on[f.switch]]
     if not wanted or not probe:
         return tuple(f.flag for f in wanted)
     unknown = unknown_xla_flags(tuple(f.flag for f in wanted), _probe_platform(platform))

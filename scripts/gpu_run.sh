@@ -40,6 +40,10 @@
 #   launch_forms   scripts/gpu_launch_gaps.py: one kernel chained 256 times in a CUDA graph, with 2
 #                  arguments, with 20, and counting its programs with last_to_arrive (µs a launch;
 #                  run twice: launch_forms, launch_forms_2)
+#   pdl_check      scripts/gpu_pdl_check.py: XLA's PDL default on this jaxlib; griddepcontrol in the
+#                  PTX of a jitted chain under auto (XLA's default) and rl-bitwise (pinned off)
+#   pdl_ab         decode bs 1 / 64: auto with PDL (XLA's default) and without (XLA_FLAGS), then
+#                  rl-bitwise with its pin and without (the pin edited out of jengine/numerics.py)
 #   silu_down      scripts/gpu_silu_down.py: down_proj with SwiGLU's activation made in the loads
 #                  of its A (an experiment): bits vs the SiLU launch + down_proj, µs per layer
 #   gemm_prefill_warps  the wide prefill tile on 8 warps (today's, which spills) and on 16: bits, ms
@@ -441,6 +445,15 @@ for s in "$@"; do
       step gemm_persistent 420 python3 scripts/gpu_gemm_persistent.py --budget-s 380 --out "$out/gemm_persistent" ;;
     gemm_add_norm)  # an experiment: the layer boundary inside o_proj / down_proj's launch (bits, µs per layer)
       step gemm_add_norm 240 python3 scripts/gpu_gemm_add_norm.py --out "$out/gemm_add_norm" ;;
+    pdl_check)  # the no-PDL pin reaches XLA: griddepcontrol in auto's PTX, none in rl-bitwise's
+      step pdl_check 200 python3 scripts/gpu_pdl_check.py --out "$out/pdl_check" ;;
+    pdl_ab)  # decode rows with and without XLA's PDL, each mode
+      a="--parts model --iters 20 --batch-sizes 1 64 --long-context 0 --prefill-tokens 0 --part-timeout 140"
+      step pdl_auto_on 150 python3 -m jengine.cli bench $a --numerics auto --out "$out/pdl_auto_on"
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_pdl=false" step pdl_auto_off 150 python3 -m jengine.cli bench $a --numerics auto --out "$out/pdl_auto_off"
+      step pdl_rl_off 150 python3 -m jengine.cli bench $a --numerics rl-bitwise --out "$out/pdl_rl_off"
+      with_source_edit jengine/numerics.py 's/^    t.set("disable_pdl", True)$/    pass  # pdl_ab: rl-bitwise without its pin/' \
+        step pdl_rl_on 150 python3 -m jengine.cli bench $a --numerics rl-bitwise --out "$out/pdl_rl_on" ;;
     launch_forms|launch_forms_2)  # the kernel with 2 / 20 arguments and counting its programs: µs a launch in a graph
       step "$s" 200 python3 scripts/gpu_launch_gaps.py --iters 50 --out "$out/$s" ;;
     silu_down)  # an experiment: down_proj with SwiGLU's activation made in its A loads (bits, µs per layer at M = 1..64)

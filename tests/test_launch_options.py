@@ -192,6 +192,7 @@ PROBES = {
         "enable_eplb": True, "ep_num_redundant_experts": 4,
         "init_expert_location": "/placement.json", "eplb_rebalance_num_iterations": 3}.items()},
     "disable_autotune": (True, _xla_flags),
+    "disable_pdl": (True, _xla_flags),
     "deterministic_ops": (True, _xla_flags),
     "quantization": ("fp8", REFUSED),
     "tp_size": (2, lambda v, name, tiny: plan_launch(_resolved("cpu", tp_size=v),

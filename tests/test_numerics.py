@@ -36,14 +36,15 @@ AUTO_DEFAULTS = {
     "mla_lora_scale": "folded", "moe_backend": "auto", "sampling_backend": "canonical",
     "attention_backend": "auto", "batch_invariant_collectives": False,
     "force_deterministic_rsag": False, "tp_batch_invariant": "off", "enable_eplb": False,
-    "disable_autotune": False, "deterministic_ops": False,
+    "disable_autotune": False, "disable_pdl": False, "deterministic_ops": False,
 }
 RL_BITWISE_VALUES = {
     **AUTO_DEFAULTS,
     "logprob_order": "blockwise", "layer_boundary_norm": "unfused", "router_topk": "torch",
     "moe_combine_order": "slot", "dsa_slot_order": "selection", "yarn_ramp_mask_device": "cpu",
     "yarn_frequency_device": "device", "mla_lora_scale": "runtime",
-    "batch_invariant_collectives": True, "disable_autotune": True, "deterministic_ops": True,
+    "batch_invariant_collectives": True, "disable_autotune": True, "disable_pdl": True,
+    "deterministic_ops": True,
 }
 
 # rl-bitwise and an explicit choice: (switch, explicit value, resolved value or a refusal regex).
@@ -79,6 +80,7 @@ RL_EXPLICIT = [
     ("tp_batch_invariant", "all", "all"),
     ("enable_eplb", True, True),  # accepted: rl-bitwise folds in the slot-order combine
     ("disable_autotune", False, True),
+    ("disable_pdl", False, True),
     ("deterministic_ops", False, True),
 ]
 
@@ -188,6 +190,7 @@ def test_as_dict_lists_every_switch_and_the_envelope():
 def test_gpu_flags_and_tf32_override():
     r = resolve_launch(LaunchConfig(numerics="rl-bitwise"), hardware="gpu-sm90", probe_xla_flags=False)
     assert set(r.xla_flags) == {"--xla_gpu_deterministic_ops=true", "--xla_gpu_autotune_level=0",
+                                "--xla_gpu_enable_pdl=false",
                                 "--xla_allow_excess_precision=false"}
     assert r.environment == {"NVIDIA_TF32_OVERRIDE": "0"}
 
@@ -195,6 +198,11 @@ def test_gpu_flags_and_tf32_override():
 def test_each_kernels_switch_exists_alone_under_auto():
     r = resolve_launch(LaunchConfig(disable_autotune=True), hardware="gpu", probe_xla_flags=False)
     assert r.xla_flags == ("--xla_gpu_autotune_level=0",) and not r.bitwise
+    r = resolve_launch(LaunchConfig(disable_pdl=True), hardware="gpu", probe_xla_flags=False)
+    assert r.xla_flags == ("--xla_gpu_enable_pdl=false",) and not r.bitwise
+    # auto leaves XLA's own default (PDL on): no flag at all
+    r = resolve_launch(LaunchConfig(), hardware="gpu", probe_xla_flags=False)
+    assert r.xla_flags == ()
 
 
 def test_cpu_flags_are_verified_against_the_installed_jaxlib():
@@ -208,6 +216,24 @@ def test_probing_an_unknown_flag_does_not_abort_us():
     unknown = xla_environment.unknown_xla_flags((good, "--xla_jengine_no_such_flag=1"), "cpu")
     assert unknown == {"--xla_jengine_no_such_flag=1"}  # and we are still running
 
+
+def _default_compile_options(xla_flags: str) -> bytes:
+    """The serialized default CompileOptions (its DebugOptions read from XLA_FLAGS) of a child."""
+    code = ("import sys; from jax._src.lib import xla_client as xc; "
+            "sys.stdout.buffer.write(xc.CompileOptions().SerializeAsString())")
+    env = dict(os.environ, XLA_FLAGS=xla_flags, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          check=True, timeout=120).stdout
+
+
+def test_the_installed_jaxlib_has_pdl_on_by_default_and_knows_the_pin():
+    """Why rl-bitwise pins --xla_gpu_enable_pdl=false: XLA's own default is on. The flag is parsed
+    by every backend's XLA (a GPU flag is accepted on the CPU), so this runs in CI."""
+    pin = "--xla_gpu_enable_pdl=false"
+    assert xla_environment.unknown_xla_flags((pin,), "cpu") == frozenset()
+    default = _default_compile_options("")
+    assert _default_compile_options("--xla_gpu_enable_pdl=true") == default  # on by default
+    assert _default_compile_options(pin) != default  # negative control: the pin is seen
 
 def test_unknown_required_flag_refuses_optional_flag_is_dropped(monkeypatch, caplog):
     bogus = lambda required: xla_environment.XlaFlag(  # noqa: E731
@@ -417,7 +443,7 @@ def test_a_plugin_bitwise_envelope_inherits_every_pin(registry_snapshot):
     assert r.bitwise and r.required_features == {"batch_invariant"}
     assert r.matmul_precision == "highest" and r.xla_flags
     for name in ("sampling_stream", "batch_invariant_collectives", "disable_autotune",
-                 "deterministic_ops"):
+                 "disable_pdl", "deterministic_ops"):
         assert getattr(r.config, name) == RL_BITWISE_VALUES[name], name
     # trainer alignment is rl-bitwise's own policy, not a pin (spec: only rl-bitwise inherits it)
     assert r.config.logprob_order == "torch"

@@ -1,0 +1,128 @@
+"""Does rl-bitwise's "no PDL" pin reach XLA? (the spec's kernels.deterministic)
+
+    python scripts/gpu_pdl_check.py [--out DIR]
+
+XLA launches its own kernels with programmatic dependent launch (PDL) when
+`--xla_gpu_enable_pdl` is on: each kernel may start before the one before it has finished and
+waits at its entry (`griddepcontrol.wait` in its PTX). rl-bitwise pins the flag off
+(jengine/xla_environment.py). This script, on the GPU machine:
+
+1. reads the installed jaxlib's default of `xla_gpu_enable_pdl` and `xla_gpu_enable_pdl_launch`
+   (the serialized default compile options, in a child process per XLA_FLAGS value: a flag is at
+   its default when setting it to a value leaves the options unchanged);
+2. for `--numerics auto` and `rl-bitwise`, in a child each: resolves the launch as the engine does
+   (`resolve_launch(...).apply_environment()`, XLA_FLAGS also carrying `--xla_dump_to`), runs a
+   jitted chain of XLA fusions and counts `griddepcontrol` in the PTX XLA wrote.
+
+Expected: PDL on by default, `griddepcontrol` in auto's PTX, none in rl-bitwise's. Writes
+pdl_check.json / .md to --out; exits 1 when rl-bitwise's PTX has it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+_OPTIONS = ("import sys; from jax._src.lib import xla_client as xc; "
+            "sys.stdout.buffer.write(xc.CompileOptions().SerializeAsString())")
+
+# A chain of dependent fusions: XLA cannot fuse across the reductions, so each is its own kernel.
+_CHAIN = """
+import json, sys
+from jengine.config import LaunchConfig
+from jengine.numerics import resolve_launch
+resolved = resolve_launch(LaunchConfig(numerics=sys.argv[1]))
+resolved.apply_environment()
+import os
+import jax, jax.numpy as jnp
+
+@jax.jit
+def chain(x):
+    for _ in range(6):
+        x = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
+        x = x / jnp.sum(x, axis=-1, keepdims=True)
+    return x
+
+y = chain(jnp.ones((64, 4096), jnp.float32)).block_until_ready()
+print(json.dumps({"xla_flags": os.environ.get("XLA_FLAGS", ""),
+                  "resolved_flags": list(resolved.xla_flags), "sum": float(y.sum())}))
+"""
+
+
+def _options(xla_flags: str) -> bytes | None:
+    env = dict(os.environ, XLA_FLAGS=xla_flags)
+    proc = subprocess.run([sys.executable, "-c", _OPTIONS], env=env, capture_output=True,
+                          timeout=300)
+    return proc.stdout if proc.returncode == 0 else None  # None: the flag is unknown here
+
+
+def defaults() -> dict:
+    base = _options("")
+    out = {}
+    for flag in ("xla_gpu_enable_pdl", "xla_gpu_enable_pdl_launch"):
+        on, off = _options(f"--{flag}=true"), _options(f"--{flag}=false")
+        if on is None or off is None:
+            out[flag] = "unknown to this jaxlib"
+        else:
+            out[flag] = "on" if on == base else "off" if off == base else "?"
+    return out
+
+
+def chain_ptx(numerics: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"pdl-{numerics}-") as dump:
+        env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump}",
+                   PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        proc = subprocess.run([sys.executable, "-c", _CHAIN, numerics], env=env,
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            return {"error": proc.stderr[-2000:]}
+        ptx = sorted(pathlib.Path(dump).rglob("*.ptx"))
+        text = "".join(p.read_text(errors="replace") for p in ptx)
+        row = json.loads(proc.stdout.strip().splitlines()[-1])
+        row.update(ptx_files=len(ptx), entries=text.count(".entry"),
+                   griddepcontrol_wait=text.count("griddepcontrol.wait"),
+                   griddepcontrol_launch=text.count("griddepcontrol.launch_dependents"))
+        return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=".")
+    args = p.parse_args()
+    import jax
+
+    result = {"jax": jax.__version__, "defaults": defaults(),
+              "chain": {m: chain_ptx(m) for m in ("auto", "rl-bitwise")}}
+    rl = result["chain"]["rl-bitwise"]
+    ok = "error" not in rl and rl["ptx_files"] > 0 and rl["griddepcontrol_wait"] == 0 \
+        and rl["griddepcontrol_launch"] == 0
+    result["verdict"] = "PASS" if ok else "FAIL"
+    lines = [f"jax {result['jax']}; defaults: " + ", ".join(
+        f"{k} {v}" for k, v in result["defaults"].items()), "",
+        "| numerics | PTX files | .entry | griddepcontrol.wait | .launch_dependents | XLA_FLAGS |",
+        "|---|---|---|---|---|---|"]
+    for m, r in result["chain"].items():
+        if "error" in r:
+            lines.append(f"| {m} | error: {r['error'][-300:]} |")
+        else:
+            lines.append(f"| {m} | {r['ptx_files']} | {r['entries']} | {r['griddepcontrol_wait']} "
+                         f"| {r['griddepcontrol_launch']} | {r['xla_flags']} |")
+    lines += ["", f"rl-bitwise without griddepcontrol: {result['verdict']}"]
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "pdl_check.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(args.out, "pdl_check.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
