@@ -19,6 +19,10 @@ in the way), at 1 and 132 programs of 1024 elements, in five forms:
             in two: is the acquire half of the cost?)
   relaxed   the count as a relaxed atomic: orders nothing, so no merge could use it; the floor
             under the other two (one atomic's round trip to L2)
+  xla       the same add as XLA's own kernels (each also summing its input, which keeps XLA
+            from fusing two adds into one), in XLA's command buffer; the time is divided by the
+            fusions XLA made. Is a Triton launch's gap longer than an XLA kernel's? (Run again
+            with XLA_FLAGS=--xla_gpu_enable_pdl=false to see what XLA's early launch gives it.)
 
 Time: the median over --iters calls, blocked on, per launch. Each chain's result is checked
 (every launch adds 1). Writes launch_gaps.json / .md to --out.
@@ -85,10 +89,10 @@ def touch_relaxed(x_ptr, counters_in, y_ptr, counters, BLOCK: tl.constexpr):
         tl.atomic_xchg(counters, 0, sem="relaxed", scope="gpu")
 
 
-# name -> (kernel, the extra inputs chain() passes it)
+# name -> (kernel, the extra inputs chain() passes it); "xla": the same add as XLA's own kernel
 FORMS = {"2 args": (touch, "plain"), "20 args": (touch_args, "args"),
          "counted": (touch_counted, "counted"), "release": (touch_release, "counted"),
-         "relaxed": (touch_relaxed, "counted")}
+         "relaxed": (touch_relaxed, "counted"), "xla": (None, "xla")}
 
 
 def chain(kernel, form, launches, programs):
@@ -98,6 +102,10 @@ def chain(kernel, form, launches, programs):
     from pallas_kernels._triton_launch import Counters, counter_chain, jax_launch
 
     def run(x):
+        if form == "xla":  # each add its own kernel: a fusion cannot broadcast a reduction it
+            for _ in range(launches):  # makes, so x's sum starts the next one (0 * sum adds 0)
+                x = x + 0.0 * jnp.sum(x) + 1.0
+            return x
         spare = [jnp.zeros((16,), jnp.float32) for _ in range(6)]
         extra = {"plain": [], "args": spare + [3, 5, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37],
                  "counted": [Counters(1)]}[form]
@@ -136,12 +144,16 @@ def main() -> int:
         x = jnp.zeros((programs * BLOCK,), jnp.float32)
         for name, (kernel, form) in FORMS.items():
             fn = chain(kernel, form, args.launches, programs)
-            us = time_us(fn, x, args.iters) / args.launches
+            # XLA's form: its kernels are its fusions (one line each, `kind=` on it)
+            kernels = args.launches if kernel else sum(
+                1 for line in fn.lower(x).compile().as_text().splitlines()
+                if " fusion(" in line and "kind=" in line)
+            us = time_us(fn, x, args.iters) / kernels
             got = float(jax.device_get(fn(x))[0])
-            rows.append(dict(programs=programs, form=name, us_per_launch=round(us, 3),
-                             result_ok=got == args.launches))
+            rows.append(dict(programs=programs, form=name, kernels=kernels,
+                             us_per_launch=round(us, 3), result_ok=got == args.launches))
             print(f"programs {programs:3d} x {BLOCK}  {name:8s} {us:7.3f} us a launch  "
-                  f"(result {got:g}, expected {args.launches})", flush=True)
+                  f"({kernels} kernels; result {got:g}, expected {args.launches})", flush=True)
     device = str(jax.devices()[0].device_kind)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "launch_gaps.json"), "w") as f:

@@ -39,7 +39,8 @@
 #                  session; the pair form not yet)
 #   launch_forms   scripts/gpu_launch_gaps.py: one kernel chained 256 times in a CUDA graph, with 2
 #                  arguments, with 20, and counting its programs with last_to_arrive (µs a launch;
-#                  run twice: launch_forms, launch_forms_2)
+#                  run twice: launch_forms, launch_forms_2); also the release / relaxed counts and
+#                  the same add as XLA's own kernel (launch_forms_nopdl: with XLA's PDL off)
 #   pdl_check      scripts/gpu_pdl_check.py: XLA's PDL default on this jaxlib; griddepcontrol in the
 #                  PTX of a jitted chain under auto (XLA's default) and rl-bitwise (pinned off)
 #   pdl_ab         decode bs 1 / 64: auto with PDL (XLA's default) and without (XLA_FLAGS), then
@@ -456,6 +457,8 @@ for s in "$@"; do
         step pdl_rl_on 150 python3 -m jengine.cli bench $a --numerics rl-bitwise --out "$out/pdl_rl_on" ;;
     launch_forms|launch_forms_2)  # the kernel with 2 / 20 arguments and counting its programs: µs a launch in a graph
       step "$s" 200 python3 scripts/gpu_launch_gaps.py --iters 50 --out "$out/$s" ;;
+    launch_forms_nopdl)  # the same without XLA's programmatic dependent launch (its "xla" form)
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_pdl=false" step "$s" 200 python3 scripts/gpu_launch_gaps.py --iters 50 --out "$out/$s" ;;
     silu_down)  # an experiment: down_proj with SwiGLU's activation made in its A loads (bits, µs per layer at M = 1..64)
       step silu_down 240 python3 scripts/gpu_silu_down.py --out "$out/silu_down" ;;
     gemm_swiglu)  # an experiment: SwiGLU's activation inside the gate/up launch (bits, µs per layer)
