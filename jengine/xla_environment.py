@@ -229,6 +229,35 @@ def _probe_once(flags: tuple[str, ...], platform: str) -> tuple[bool, str]:
     return proc.returncode == 0, proc.stderr
 
 
+@functools.lru_cache(maxsize=None)
+def _default_compile_options(xla_flags: str) -> bytes | None:
+    """A child's serialized default CompileOptions, its DebugOptions read from `xla_flags`; None
+    when the child dies (an unknown flag). Building the options starts no backend."""
+    code = ("import sys; from jax._src.lib import xla_client as xc; "
+            "sys.stdout.buffer.write(xc.CompileOptions().SerializeAsString())")
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, XLA_FLAGS=xla_flags),
+                          capture_output=True, timeout=300)
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def xla_flag_default(name: str) -> bool | None:
+    """The installed jaxlib's default of the boolean XLA flag `name` (``xla_gpu_enable_pdl``):
+    True when setting it true leaves the default compile options as they are and setting it false
+    changes them; False the other way round, or when both change them (XLA's defaults leave the
+    field unset, which reads false); None when jaxlib does not know the flag. Every backend's XLA
+    parses every flag, so a GPU flag's default can be read on a CPU machine."""
+    base = _default_compile_options("")
+    on, off = (_default_compile_options(f"--{name}={v}") for v in ("true", "false"))
+    if on is None or off is None:
+        return None
+    if on == base != off:
+        return True
+    if on != base:  # off == base, or neither: the field is set false or left unset
+        return False
+    raise XlaFlagError(f"cannot tell {name}'s default: the options with it true, false and unset "
+                       f"compare {on == base}, {off == base}")
+
+
 # -- applying -------------------------------------------------------------------------------------
 
 

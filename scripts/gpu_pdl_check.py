@@ -8,8 +8,7 @@ waits at its entry (`griddepcontrol.wait` in its PTX). rl-bitwise pins the flag 
 (jengine/xla_environment.py). This script, on the GPU machine:
 
 1. reads the installed jaxlib's default of `xla_gpu_enable_pdl` and `xla_gpu_enable_pdl_launch`
-   (the serialized default compile options, in a child process per XLA_FLAGS value: a flag is at
-   its default when setting it to a value leaves the options unchanged);
+   (`xla_environment.xla_flag_default`: the default compile options of child processes);
 2. for `--numerics auto` and `rl-bitwise`, in a child each: resolves the launch as the engine does
    (`resolve_launch(...).apply_environment()`, XLA_FLAGS also carrying `--xla_dump_to`), runs a
    jitted chain of XLA fusions and counts `griddepcontrol` in the PTX XLA wrote.
@@ -30,9 +29,7 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-_OPTIONS = ("import sys; from jax._src.lib import xla_client as xc; "
-            "sys.stdout.buffer.write(xc.CompileOptions().SerializeAsString())")
+sys.path.insert(0, str(ROOT))
 
 # A chain of dependent fusions: XLA cannot fuse across the reductions, so each is its own kernel.
 _CHAIN = """
@@ -57,22 +54,16 @@ print(json.dumps({"xla_flags": os.environ.get("XLA_FLAGS", ""),
 """
 
 
-def _options(xla_flags: str) -> bytes | None:
-    env = dict(os.environ, XLA_FLAGS=xla_flags)
-    proc = subprocess.run([sys.executable, "-c", _OPTIONS], env=env, capture_output=True,
-                          timeout=300)
-    return proc.stdout if proc.returncode == 0 else None  # None: the flag is unknown here
-
-
 def defaults() -> dict:
-    base = _options("")
+    from jengine.xla_environment import XlaFlagError, xla_flag_default
+
     out = {}
     for flag in ("xla_gpu_enable_pdl", "xla_gpu_enable_pdl_launch"):
-        on, off = _options(f"--{flag}=true"), _options(f"--{flag}=false")
-        if on is None or off is None:
-            out[flag] = "unknown to this jaxlib"
-        else:
-            out[flag] = "on" if on == base else "off" if off == base else "?"
+        try:
+            out[flag] = {True: "on", False: "off", None: "unknown to this jaxlib"}[
+                xla_flag_default(flag)]
+        except XlaFlagError:
+            out[flag] = "?"
     return out
 
 
