@@ -63,8 +63,9 @@ DETERMINISTIC_XLA_FLAGS: tuple[XlaFlag, ...] = (
             "no per-shape, per-machine tactic timing: XLA takes the first config"),
     # On by default in both jaxlibs (the flag's value in their default compile options): XLA then
     # launches each of its kernels early, the kernel waiting at its entry (griddepcontrol.wait)
-    # for the one before it. That wait precedes every read, so it should not move a bit; the spec
-    # serialises kernel chains anyway, so the contract does not rest on it.
+    # for the one before it. That wait precedes every read, so it should not move a bit (the
+    # goldens did not, H100, fortieth session); the spec serialises kernel chains anyway, so the
+    # contract does not rest on it.
     XlaFlag("--xla_gpu_enable_pdl=false", frozenset({"gpu"}), "disable_pdl", True,
             "no programmatic dependent launch: each kernel starts after the one before it has "
             "finished (the spec's kernels.deterministic)"),
