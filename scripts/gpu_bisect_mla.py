@@ -84,6 +84,12 @@ def trainer_states(model, ids, device) -> tuple[dict, object]:
         elif kind in trainer_mla.MLA_ATTENTION_MODULES or kind.endswith(("MLP", "MoE")):
             handles.append(mod.register_forward_pre_hook(keep_input(name + ".input"),
                                                          with_kwargs=True))
+            if kind in trainer_moe.ZERO_EXPERT_BLOCKS:
+                # trainer mode's forward of this block calls the expert path itself, not its
+                # experts module (whose hook below then never runs): the block's output is that
+                # path's slot-order sum, zero experts included
+                handles.append(mod.register_forward_hook(
+                    lambda m, a, o, name=name: keep(name + ".experts", o)))
         elif kind in routers:  # the twin below records under this name
             handles.append(mod.register_forward_pre_hook(
                 lambda m, a, name=name: router.update(name=name)))
@@ -162,6 +168,8 @@ def engine_states(runner, ids, perturb: tuple[str, int] | None = None) -> dict:
                 self.plan, self.kind = plan, kind
 
             def __call__(self, *a, **k):
+                if self.kind == "add_rmsnorm":
+                    return self.boundary(*a, **k)
                 weight = a[1][0] if self.kind == "gemm_group" else a[1] if len(a) > 1 else None
                 name = names.get(id(weight), "")
                 if self.kind == "rmsnorm" and perturb is not None and name == perturb[0]:
@@ -191,6 +199,21 @@ def engine_states(runner, ids, perturb: tuple[str, int] | None = None) -> dict:
                     log[block + ".out_latent"] = out
                 return out
 
+            def boundary(self, x, residual, weight, **k):
+                """A layer boundary's norm (its input the residual sum, which the leaf returns
+                beside the norm): the sum is that norm's input state. Perturbed, only the norm
+                reads the moved sum (the plain rmsnorm leaf on it: the rounded-sum boundary's
+                bits), as a perturbed plain norm's input leaves the residual stream as it was."""
+                name = names.get(id(weight), "")
+                normed, total = self.plan(x, residual, weight, **k)
+                state = total
+                if perturb is not None and name == perturb[0]:
+                    state = _one_ulp_up(total, perturb[1])
+                    normed = kern.rmsnorm(state, weight, eps=k["eps"])
+                norms.add(name)
+                log.setdefault(name, state)
+                return normed, total
+
         def record_combine(mod, name):
             combine = mod.combine
 
@@ -205,8 +228,8 @@ def engine_states(runner, ids, perturb: tuple[str, int] | None = None) -> dict:
             if hasattr(layer.mlp, "combine"):
                 record_combine(layer.mlp, f"layers.{i}.mlp")
         kern = model.kernels
-        wanted = ("rmsnorm", "router_gemm", "router_grouped_topk", "gemm", "gemm_group",
-                  "mla_attention")
+        wanted = ("rmsnorm", "add_rmsnorm", "router_gemm", "router_grouped_topk", "gemm",
+                  "gemm_group", "mla_attention")
         model.kernels = dataclasses.replace(kern, **{
             f.name: Rec(getattr(kern, f.name), f.name)
             for f in dataclasses.fields(kern) if f.name in wanted})

@@ -58,6 +58,11 @@ def runnable(doc: str, slow: bool) -> list[tuple[str, str, int]]:
 class DocRunner:
     def __init__(self, doc: str, workdir: Path):
         self.doc, self.workdir = doc, workdir
+        # A reader runs a doc's commands from the repository root (`python examples/rl_loop.py`);
+        # the blocks run in workdir, so what they write stays out of the checkout, with the
+        # root's script folders linked there.
+        for name in ("scripts", "examples"):
+            (workdir / name).symlink_to(ROOT / name, target_is_directory=True)
         self.env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                     "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
         self.python_so_far: list[str] = []

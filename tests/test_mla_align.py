@@ -168,7 +168,8 @@ def test_rl_bitwise_invariance_harness_passes(model_dir):
 
 @pytest.mark.slow
 def test_rl_bitwise_invariance_harness_passes_every_mode():
-    """The harness's default modes (chunks 4, 7, 256; retraction +-3) at T=0 and T=1."""
+    """The harness's default modes (chunks 4, 7, 256; retraction +-3; overlap off) at T=0 and
+    T=1."""
     import tempfile
     from pathlib import Path
 
@@ -176,7 +177,7 @@ def test_rl_bitwise_invariance_harness_passes_every_mode():
         model_dir = make_tiny_hf_model(Path(tmp) / "ds", ARCH, seed=5)
         results = _harness(model_dir, max_new_tokens=8)
     _assert_passes(results, {"packed", "rerun", "prefix-hit", "chunk-4", "chunk-7", "chunk-256",
-                             "retract+3", "retract-3"})
+                             "retract+3", "retract-3", "overlap-off"})
 
 
 @pytest.fixture
