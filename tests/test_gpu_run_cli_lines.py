@@ -23,32 +23,10 @@ from pathlib import Path
 import pytest
 
 from jengine.cli import build_parser
+from tests.gpu_run_sh import ROOT, SCRIPT, expand
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = (ROOT / "scripts" / "gpu_run.sh").read_text(encoding="utf-8")
 CLI = "python3 -m jengine.cli "
 PY = "python3 scripts/"
-
-
-def _expand(words: str, shell_vars: dict[str, str]) -> str:
-    """words with $name / ${name} / ${name:-default} / ${name#prefix} / ${name//from/to} as the
-    shell expands them ($out standing for the device's output folder). An unknown variable, or an
-    expansion of another form (`${ms%b}`), raises KeyError: nothing is left unexpanded."""
-    def one(m):
-        name, op = m.group(1) or m.group(3), m.group(2) or ""
-        if name == "out" and name not in shell_vars:
-            return "/tmp/out"
-        if op.startswith(":-"):
-            return shell_vars.get(name) or op[2:]
-        value = shell_vars[name]
-        if op.startswith("//"):  # ${cfg//,/_}: every match replaced
-            pattern, _, replacement = op[2:].partition("/")
-            return value.replace(pattern, replacement)
-        if op and not op.startswith("#"):
-            raise KeyError(f"${{{name}{op}}}")
-        return value.removeprefix(op[1:]) if op.startswith("#") else value
-
-    return re.sub(r"\$\{([A-Za-z_]\w*)([^}]*)\}|\$([A-Za-z_]\w*)", one, words)
 
 
 # A step named by a pattern (its case label) as a device call names it: the step's name is part
@@ -75,17 +53,17 @@ def command_lines(text: str) -> list[tuple[int, str, list[str]]]:
             shell_vars["s"] = PATTERN_STEPS[step] if "*" in step else step
         assigned = re.match(r"\s*(?:local\s+)?([a-z_]\w*)=\"([^\"]*)\"\s*$", line)
         if assigned:
-            shell_vars[assigned.group(1)] = _expand(assigned.group(2), shell_vars)
+            shell_vars[assigned.group(1)] = expand(assigned.group(2), shell_vars)
         chosen = re.match(r"\s*([a-z_]\w*)=\$\(.*?echo (\S+)", line)
         if chosen:
             shell_vars[chosen.group(1)] = chosen.group(2)
         loop = re.match(r"\s*for ([a-z_]\w*) in (.*?); do", line)
         if loop:
-            shell_vars[loop.group(1)] = shlex.split(_expand(loop.group(2), shell_vars))[0]
+            shell_vars[loop.group(1)] = shlex.split(expand(loop.group(2), shell_vars))[0]
         for marker, start in ((CLI, len(CLI)), (PY, len("python3 "))):
             if marker in line:
                 cmd = line[line.index(marker) + start:].split(";;")[0]
-                argv = shlex.split(_expand(cmd, shell_vars), comments=True)
+                argv = shlex.split(expand(cmd, shell_vars), comments=True)
                 out.append((number, "jengine" if marker == CLI else argv.pop(0), argv))
     return out
 
@@ -195,7 +173,7 @@ def test_negative_control_a_stale_option_is_caught():
     (n1, _, bench), (n2, rows_path, rows), (_, _, stale) = command_lines(stale_step)
     assert (n1, n2, rows) == (3, 4, ["--rowsum", "dot"])
     with pytest.raises(KeyError):  # a form the reader does not expand is refused, not kept
-        _expand("--rowsum ${s%_x}", {"s": "x_dot"})
+        expand("--rowsum ${s%_x}", {"s": "x_dot"})
     assert "--iterz 3" in parse_error(bench)
     good_rows, stale_rows = script_errors([[rows_path, rows], [rows_path, stale]])
     assert good_rows is None and "--row-sum" in stale_rows

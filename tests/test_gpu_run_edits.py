@@ -16,57 +16,28 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = (ROOT / "scripts" / "gpu_run.sh").read_text(encoding="utf-8")
+from tests.gpu_run_sh import QUOTED, ROOT, SCRIPT, top_level_variables, word_value
+
 TILES = ROOT / "pallas_kernels" / "triton_gemm_tiles.json"
 PLAN = "pallas_kernels/triton_attention_plan.py"
-
-QUOTED = r"""('[^']*'|"(?:[^"\\]|\\.)*")"""
-
-
-def _variables(text: str) -> dict[str, str]:
-    """The script's top-level NAME='...' / NAME="..." assignments (one line each)."""
-    out = {}
-    for name, value in re.findall(r"^([A-Z_][A-Z0-9_]*)=" + QUOTED + r"\s*$", text, re.M):
-        out[name] = _unquote(value, out)
-    return out
-
-
-def _unquote(arg: str, variables: dict[str, str]) -> str | None:
-    """The shell word's value: '...' literally, "..." with $NAME / ${NAME} of `variables`
-    expanded; None where it expands anything else (e.g. a loop variable's ${ms%b})."""
-    if arg.startswith("'"):
-        return arg[1:-1]
-    body = arg[1:-1]
-
-    def expand(m):
-        name = m.group(1) or m.group(2)
-        if name not in variables:
-            raise KeyError(name)
-        return variables[name]
-
-    try:
-        return re.sub(r"\$\{([^}]*)\}|\$([A-Za-z_]\w*)", expand, body)
-    except KeyError:
-        return None
 
 
 def source_edits(text: str) -> list[tuple[str, str]]:
     """(file, sed expression) of every with_source_edit / with_plan_edit whose expression the
     script spells out (not its definitions)."""
-    variables = _variables(text)
+    variables = top_level_variables(text)
     found = [(path, arg) for path, arg in
              re.findall(r"with_source_edit\s+(\S+)\s+" + QUOTED, text)]
     found += [(PLAN, arg) for arg in re.findall(r"with_plan_edit\s+" + QUOTED, text)]
-    edits = [(path, _unquote(arg, variables)) for path, arg in found
+    edits = [(path, word_value(arg, variables)) for path, arg in found
              if not arg.startswith('"$@')]
     return sorted({(path, expr) for path, expr in edits if expr is not None})
 
 
 def tile_edits(text: str) -> list[str]:
     """The Python statements of every with_tiles the script spells out."""
-    variables = _variables(text)
-    statements = [_unquote(arg, variables) for arg in re.findall(r"with_tiles\s+" + QUOTED, text)
+    variables = top_level_variables(text)
+    statements = [word_value(arg, variables) for arg in re.findall(r"with_tiles\s+" + QUOTED, text)
                   if arg != '"$@"']
     return sorted({s for s in statements if s is not None})
 
@@ -107,7 +78,7 @@ def test_negative_controls_a_stale_edit_is_caught(tmp_path):
     clamped = "page = tl.gather(split_pages, tl.minimum(tl.maximum(at, 0), PAGES - 1), 0)\n"
     source.write_text(clamped, encoding="utf-8")
     assert not changes(source, "s/^NO_SUCH_LINE = .*/x/")
-    unclamp = _variables(SCRIPT)["UNCLAMP"]
+    unclamp = top_level_variables(SCRIPT)["UNCLAMP"]
     assert changes(source, unclamp)
     d = json.loads(TILES.read_text(encoding="utf-8"))
     with pytest.raises(KeyError):
