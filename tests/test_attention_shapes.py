@@ -112,7 +112,7 @@ class TritonLeaf:
 
     @staticmethod
     def _t(x):
-        return torch.from_numpy(np.asarray(jnp.asarray(x, jnp.float32))).to(torch.bfloat16)
+        return torch.from_numpy(np.array(jnp.asarray(x, jnp.float32))).to(torch.bfloat16)
 
     def paged(self, c, q, tables, req, pos, schedule=None):
         out = self.ta.paged_attention_triton_torch(

@@ -352,7 +352,7 @@ def test_rmsnorm_variance_is_the_trainers_at_widths_that_are_not_powers_of_two(w
     eps = 1e-6
     engine = jax.jit(lambda xf: rmsnorm._normalize(xf, eps, rmsnorm._fixed_mean))(x)
 
-    xt = torch.from_numpy(np.asarray(x))
+    xt = torch.from_numpy(np.array(x))  # a copy: jax arrays are read-only, torch tensors are not
     var = rmsnorm.mean_fixed_order_torch(xt.pow(2))
     trainer = (xt * rmsnorm.rsqrt_torch(var + eps)).numpy()
     assert count_bit_differences(np.asarray(engine), trainer) == 0
