@@ -230,6 +230,12 @@
 #                  off: what the per-token events cost), and the server's GIL switch interval at
 #                  0.1 ms instead of 0.5 ms (is the engine thread waiting for the GIL?)
 #   bench_hf       the HF transformers generate peer
+#   bench_moe      issue 8's MoE shape (Qwen3-30B-A3B, random bf16 weights, 61 GB): roofline +
+#                  decode bs 1 / 64 (ctx 1024) + a 4096-token prefill, both numerics; the times and
+#                  the rl-bitwise / auto ratio (no roofline %: measures.py counts the Llama shape's
+#                  bytes). auto runs the experts as one XLA einsum over all of them (portable),
+#                  rl-bitwise the routed pairs only: which is faster where is what it answers
+#   bench_moe_hf   the HF transformers generate peer of that shape (Qwen3MoeForCausalLM), bs 16
 #   router_topk    scripts/gpu_router_topk.py: the (moe, router_topk) torch leaf vs live torch.topk
 #                  (ids and value bits; random, tied, cutoff-tied, near-tied; alone vs packed)
 #   router_topk_mid / router_topk_big  the same over E 64, 160 / E 256 at k 6, 8, 12, 16, 33, 50
@@ -544,6 +550,8 @@ for s in "$@"; do
       step server_nostream 200 python3 -m jengine.cli bench --parts server --numerics auto --server-stream off --part-timeout 190 --out "$out/server_nostream"
       step server_si100us 200 python3 -m jengine.cli bench --parts server --numerics auto --server-switch-interval 0.0001 --part-timeout 190 --out "$out/server_si100us" ;;
     bench_hf) step bench_hf 200 python3 -m jengine.cli bench --parts hf --part-timeout 190 --out "$out/bench_hf" ;;
+    bench_moe) step bench_moe 560 python3 -m jengine.cli bench --parts roofline model --shape qwen3-30b-a3b --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 4096 --part-timeout 60 model=240 --out "$out/bench_moe" ;;
+    bench_moe_hf) step bench_moe_hf 300 python3 -m jengine.cli bench --parts hf --shape qwen3-30b-a3b --hf-batch 16 --hf-new-tokens 32 --part-timeout 290 --out "$out/bench_moe_hf" ;;
     router_topk) step router_topk 300 python3 scripts/gpu_router_topk.py --experts 8 128 --ks 1 2 4 8 32 64 --out "$out/router_topk" ;;
     router_topk_mid) step router_topk_mid 300 python3 scripts/gpu_router_topk.py --experts 64 160 --ks 6 12 16 33 50 --out "$out/router_topk_mid" ;;
     router_topk_big) step router_topk_big 300 python3 scripts/gpu_router_topk.py --experts 256 --ks 6 8 12 16 33 50 --out "$out/router_topk_big" ;;

@@ -245,6 +245,34 @@ def test_mla_shape_matches_the_dense_shape_in_active_parameters():
     assert short["active"] < 0.6 * m["active"]
 
 
+def test_moe_shape_is_qwen3_30b_a3b_and_runs_small(tmp_path):
+    """Issue 8's MoE shape: the family's own parameter specs count Qwen3-30B-A3B's published
+    30.5B parameters, 3.3B active per token. Its small twin runs the model part and the HF peer
+    (the shape's own class) through the CLI, and the report says whose shape the goals are."""
+    from jengine.bench.common import parameter_counts, shape_config
+
+    counts = parameter_counts(shape_config("qwen3-30b-a3b")[0])
+    # the model card's figures, to their one decimal (3.35B active: the card writes 3.3B)
+    assert 30.5e9 <= counts["total"] < 30.6e9 and 3.3e9 <= counts["active"] < 3.4e9, counts
+    argv = [sys.executable, "-m", "jengine.cli", "bench", "--parts", "model", "hf", "--shape",
+            "qwen3-moe-small", "--numerics", "auto", "--batch-sizes", "2", "--context", "16",
+            "--long-context", "0", "--prefill-tokens", "16", "--iters", "1", "--hf-batch", "2",
+            "--hf-new-tokens", "2", "--part-timeout", "120", "--out", str(tmp_path)]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "bench.json").read_text())
+    model = results["model:auto"]
+    assert model["shape"] == "qwen3-moe-small" and model["vocab"] == 32000
+    assert model["decode_ms"]["2"] > 0 and model["prefill_ms"] > 0
+    assert model["kernels"]["expert_backend"] in ("portable", "batch_invariant")
+    md = (tmp_path / "bench.md").read_text()
+    assert "rows are read against them for information only" in md
+    if importlib.util.find_spec("transformers") is not None:
+        assert results["hf"]["model_class"] == "Qwen3MoeForCausalLM", results["hf"]
+        assert results["hf"]["generated"] == 2
+
+
 def test_latency_stats():
     # Two requests submitted at 0 and 1 s; the second's last event brings two tokens at once.
     stats = bench_e2e.latency_stats([0.0, 1.0], [[(0.5, 1), (0.75, 2)], [(1.25, 0), (2.0, 1),

@@ -25,11 +25,13 @@ and must be set before the backend starts); `model` and `engine` run once per --
   server    --server-clients streaming /generate clients against a server process on 127.0.0.1
             (the same model and workload, the real app): throughput against the engine row,
             TTFT and inter-token latency percentiles.
-  hf        the peer: HF transformers LlamaForCausalLM of the same shape, random weights, greedy
-            `generate` (static cache when it works) at --hf-batch x --context + --hf-new-tokens.
+  hf        the peer: HF transformers' class of the same shape (LlamaForCausalLM, ...), random
+            weights, greedy `generate` (static cache when it works) at --hf-batch x --context +
+            --hf-new-tokens.
 Every time is the median of --iters timed runs after warm-up (engine: one timed run). Writes
 bench.json and bench.md (results: docs/performance.md). --shape small runs all of it on a CPU.
-Not implemented yet: the MoE shape of issue 8.
+--shape qwen3-30b-a3b is issue 8's MoE shape (qwen3-moe-small its CPU smoke test); roofline
+percentages are the Llama-3-8B shape's only (jengine/bench/measures.py counts its bytes and FLOPs).
 """
 
 from __future__ import annotations
@@ -105,7 +107,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="seconds per child process: one number for all, PART=SECONDS to override "
                         "one part (e.g. 300 engine=540)")
     p.add_argument("--shape", default="llama3-8b", choices=list(SHAPES),
-                   help="model shape for the model, engine and hf parts (small: a CPU smoke test)")
+                   help="model shape for the model, engine, server and hf parts (small, "
+                        "qwen3-moe-small: CPU smoke tests)")
     p.add_argument("--merge", nargs="+", metavar="BENCH_JSON",
                    help="run nothing: merge bench.json files of separate runs (later ones win per "
                         "part) and render them together into --out")

@@ -37,8 +37,25 @@ DSV3_SMALL = dict(DSV3_8B_ACTIVE, hidden_size=256, intermediate_size=512, num_hi
                   num_attention_heads=4, num_key_value_heads=4, q_lora_rank=96, kv_lora_rank=64,
                   qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=16,
                   moe_intermediate_size=64, vocab_size=32000)
+# Qwen3-30B-A3B's released config.json (the fields the family reads): 48 layers of GQA attention
+# (32 q / 4 kv heads of 128) with a sparse MoE block each, 128 experts of width 768, top-8,
+# renormalised. 30.5B parameters (61 GB in bf16), 3.3B active per token. Issue 8's MoE shape.
+QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, intermediate_size=6144,
+    moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+    head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+    decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=1000000.0,
+    max_position_embeddings=40960, use_sliding_window=False, vocab_size=151936,
+    tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=151643, eos_token_id=151645)
+QWEN3_MOE_SMALL = dict(QWEN3_30B_A3B, hidden_size=256, intermediate_size=512,
+                       moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=64, num_experts=16, num_experts_per_tok=4,
+                       vocab_size=32000, bos_token_id=1, eos_token_id=2)
+# (HF config, the vocabulary rl-bitwise's model rows run): the Llama shapes' rl-bitwise rows keep
+# the padded head they were first recorded with (below); later shapes run their own vocabulary.
 SHAPES = {"llama3-8b": (LLAMA3_8B, 131072), "small": (SMALL, 32768),
-          "dsv3-8b-active": (DSV3_8B_ACTIVE, 131072), "dsv3-small": (DSV3_SMALL, 32768)}
+          "dsv3-8b-active": (DSV3_8B_ACTIVE, 131072), "dsv3-small": (DSV3_SMALL, 32768),
+          "qwen3-30b-a3b": (QWEN3_30B_A3B, 151936), "qwen3-moe-small": (QWEN3_MOE_SMALL, 32000)}
 # The rl-bitwise rows keep the 131072-row head they were recorded with (docs/performance.md), though
 # rl-bitwise serves 128256 itself since the last logprob block is completed (docs/numerics.md).
 PADDED_VOCAB = 131072
@@ -79,7 +96,7 @@ def _random_llama(base: dict, vocab: int):
     class Loaded:
         config = ModelConfig.from_hf_dict({**base, "vocab_size": vocab})
         checkpoint = RandomSource(seed=0)
-        eos_token_ids = (128001,)
+        eos_token_ids = (base["eos_token_id"],)
     return Loaded()
 
 

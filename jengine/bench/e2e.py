@@ -317,8 +317,9 @@ def _loop_overhead(runner, sampler, plan, loaded, args) -> dict:
 
 
 def _hf_model(args):
-    """LlamaForCausalLM of the bench shape with random weights, created on the device in its dtype
-    (never 16 GB of float32 on the host)."""
+    """The bench shape's own HF class (its `architectures` entry: LlamaForCausalLM,
+    Qwen3MoeForCausalLM, ...) with random weights, created on the device in its dtype (never 16 GB
+    of float32 on the host)."""
     import torch
     import transformers
 
@@ -328,7 +329,7 @@ def _hf_model(args):
     fields = {k: v for k, v in base.items() if k not in ("architectures", "torch_dtype")}
     if fields["eos_token_id"] >= fields["vocab_size"]:  # the small shape's vocab is cut to 32000
         fields.update(bos_token_id=None, eos_token_id=fields["vocab_size"] - 1)
-    config = transformers.LlamaConfig(**fields)
+    config = getattr(transformers, base["architectures"][0]).config_class(**fields)
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -363,7 +364,8 @@ def part_hf(args) -> dict:
     ids = np.random.default_rng(0).integers(0, 32000, (b, args.context))
     prompt = torch.tensor(ids, device=device)
     out = {"transformers": transformers.__version__, "torch": torch.__version__, "device": device,
-           "dtype": str(dtype).replace("torch.", ""), "shape": args.shape, "batch": b,
+           "dtype": str(dtype).replace("torch.", ""), "shape": args.shape,
+           "model_class": type(model).__name__, "batch": b,
            "context": args.context, "new_tokens": n}
     # A static cache lets transformers compile the decode step on CUDA; the dynamic cache is the
     # fallback. The warm-up runs the timed shape (a static cache is sized by prompt + new tokens,
