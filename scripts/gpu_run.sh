@@ -231,9 +231,9 @@
 #                  0.1 ms instead of 0.5 ms (is the engine thread waiting for the GIL?)
 #   bench_hf       the HF transformers generate peer
 #   bench_moe      issue 8's MoE shape (Qwen3-30B-A3B, random bf16 weights, 61 GB): roofline +
-#                  decode bs 1 / 64 (ctx 1024) + a 4096-token prefill, both numerics; the times and
-#                  the rl-bitwise / auto ratio (no roofline %: measures.py counts the Llama shape's
-#                  bytes). auto runs the experts as one XLA einsum over all of them (portable),
+#                  decode bs 1 / 64 (ctx 1024) + a 4096-token prefill, both numerics: times, the
+#                  rl-bitwise / auto ratio, % of the HBM bound of the experts the rows routed to.
+#                  auto runs the experts as one XLA einsum over all of them (portable),
 #                  rl-bitwise the routed pairs only: which is faster where is what it answers
 #   bench_moe_hf   the HF transformers generate peer of that shape (Qwen3MoeForCausalLM), bs 16
 #   router_topk    scripts/gpu_router_topk.py: the (moe, router_topk) torch leaf vs live torch.topk

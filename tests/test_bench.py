@@ -255,7 +255,7 @@ def test_moe_shape_is_qwen3_30b_a3b_and_runs_small(tmp_path):
     # the model card's figures, to their one decimal (3.35B active: the card writes 3.3B)
     assert 30.5e9 <= counts["total"] < 30.6e9 and 3.3e9 <= counts["active"] < 3.4e9, counts
     argv = [sys.executable, "-m", "jengine.cli", "bench", "--parts", "model", "hf", "--shape",
-            "qwen3-moe-small", "--numerics", "auto", "--batch-sizes", "2", "--context", "16",
+            "qwen3-moe-small", "--numerics", "auto", "--batch-sizes", "1", "--context", "16",
             "--long-context", "0", "--prefill-tokens", "16", "--iters", "1", "--hf-batch", "2",
             "--hf-new-tokens", "2", "--part-timeout", "120", "--out", str(tmp_path)]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -264,13 +264,44 @@ def test_moe_shape_is_qwen3_30b_a3b_and_runs_small(tmp_path):
     results = json.loads((tmp_path / "bench.json").read_text())
     model = results["model:auto"]
     assert model["shape"] == "qwen3-moe-small" and model["vocab"] == 32000
-    assert model["decode_ms"]["2"] > 0 and model["prefill_ms"] > 0
+    assert model["decode_ms"]["1"] > 0 and model["prefill_ms"] > 0
     assert model["kernels"]["expert_backend"] in ("portable", "batch_invariant")
+    # one row routes to exactly top-k experts in each of the 2 layers; the padding rows of its
+    # 16-row bucket are routed too, and never to fewer
+    experts = model["experts_read"]["1"]
+    assert experts["rows"] == 2 * 4 and experts["with_padding"] >= experts["rows"], experts
+    assert model["step_model"]["expert"] == 3 * 256 * 64
     md = (tmp_path / "bench.md").read_text()
     assert "rows are read against them for information only" in md
+    assert "| decode bs 1, ctx 16 | 8 | " in md  # the experts table
     if importlib.util.find_spec("transformers") is not None:
         assert results["hf"]["model_class"] == "Qwen3MoeForCausalLM", results["hf"]
         assert results["hf"]["generated"] == 2
+
+
+def test_step_model_counts_the_llama_constants_and_a_moe_rows_experts():
+    """The generic counts (common.step_model) give measures.py's Llama-3-8B constants (plus the
+    norms' weights, which the constants leave out), and a MoE row's bytes are its fixed weights,
+    one expert per routed (layer, expert) pair and its KV; a MoE row whose routing was not counted
+    gets no percentage, nor does an MLA shape."""
+    from jengine.bench.common import shape_config, step_model
+    from jengine.bench.measures import hbm_percent, row_bytes
+
+    llama = step_model(shape_config("llama3-8b")[0])
+    norms = 32 * 2 * 4096 + 4096
+    assert llama["fixed"] - norms == decode_bytes(0, 0, 128256) / 2
+    assert llama["token_flop_params"] == 32 * LAYER_PARAMS and llama["expert"] == 0
+    assert llama["kv_bytes_per_token"] * 3 * 5 == decode_bytes(3, 5, 0) - decode_bytes(0, 0, 0)
+    assert step_model(shape_config("dsv3-small")[0]) is None
+    moe = step_model(shape_config("qwen3-30b-a3b")[0])
+    assert (moe["experts"], moe["moe_layers"], moe["expert"]) == (128, 48, 3 * 2048 * 768)
+    r = {"shape": "qwen3-30b-a3b", "context": 1024, "step_model": moe,
+         "experts_read": {"1": {"rows": 48 * 8, "with_padding": 48 * 16}}}
+    want = (moe["fixed"] + 48 * 8 * moe["expert"]) * 2 + 1024 * moe["kv_bytes_per_token"]
+    assert row_bytes(1, 1024, r) == want
+    assert hbm_percent(want / 1e12 * 1e3, 1, 1024, r, 1.0) == pytest.approx(100.0)
+    assert row_bytes(64, 1024, r) is None  # no routing counted for that row
+    assert row_bytes(1, 1024, {**r, "step_model": None}) is None
 
 
 def test_latency_stats():

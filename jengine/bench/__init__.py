@@ -30,8 +30,8 @@ and must be set before the backend starts); `model` and `engine` run once per --
             --hf-new-tokens.
 Every time is the median of --iters timed runs after warm-up (engine: one timed run). Writes
 bench.json and bench.md (results: docs/performance.md). --shape small runs all of it on a CPU.
---shape qwen3-30b-a3b is issue 8's MoE shape (qwen3-moe-small its CPU smoke test); roofline
-percentages are the Llama-3-8B shape's only (jengine/bench/measures.py counts its bytes and FLOPs).
+--shape qwen3-30b-a3b is issue 8's MoE shape (qwen3-moe-small its CPU smoke test): its decode rows
+count the (layer, expert) pairs each step routes to, which its HBM bound reads (measures.row_bytes).
 """
 
 from __future__ import annotations

@@ -137,6 +137,53 @@ def parameter_counts(base: dict) -> dict:
     return {"total": total, "active": active}
 
 
+def step_model(base: dict) -> dict | None:
+    """What one step of a GQA shape must read and compute, in parameters, from the family's own
+    ParamSpecs (no weights); None for an MLA shape (its attention is not q heads x head_dim wide).
+
+      fixed        every weight a decode step reads whatever the routing: attention, norms,
+                   routers, dense MLPs and the LM head -- not the embedding table (a step reads
+                   its own rows of it)
+      expert       one routed expert of one layer (0 for a dense shape): a decode step reads it
+                   once for each (layer, expert) its rows route to, which the model part counts
+      token_flop_params  the matrix parameters one prompt token multiplies through below the LM
+                   head (num_experts_per_tok experts per MoE layer): prefill FLOPs 2 x this each
+      attention_width, layers  q heads x head_dim and the layer count: the attention's FLOPs
+      experts, moe_layers  routed experts per MoE layer and the MoE layers (0, 0 for a dense shape)
+      kv_bytes_per_token  the KV cache one token holds (every layer)
+    For the Llama-3-8B shape `fixed` is measures.py's 32 x LAYER_PARAMS + the LM head plus the
+    norms' 266,240 (tests/test_bench.py)."""
+    import math
+
+    from jengine.models.config import ModelConfig
+    from jengine.models.registry import get_family
+
+    cfg = ModelConfig.from_hf_dict(base)
+    if getattr(cfg, "kv_lora_rank", 0):
+        return None
+    specs = get_family(cfg.architecture).param_specs(cfg, dtype=cfg.torch_dtype)
+    top_k = getattr(cfg, "num_experts_per_tok", 0)
+    fixed = expert = token = 0
+    for name, spec in specs.items():
+        n = math.prod(spec.shape)
+        if name.startswith("embed_tokens"):
+            continue
+        if spec.stacked:  # one projection of one layer's routed experts, stacked
+            expert_share = n // spec.stacked
+            expert += expert_share
+            token += top_k * expert_share
+            continue
+        fixed += n
+        if len(spec.shape) > 1 and not name.startswith("lm_head"):
+            token += n
+    layers = cfg.num_hidden_layers
+    moe_layers = sum(1 for name in specs if name.endswith("experts.gate_proj"))
+    return {"fixed": fixed, "expert": expert // max(moe_layers, 1), "token_flop_params": token,
+            "attention_width": cfg.num_attention_heads * cfg.head_dim, "layers": layers,
+            "experts": getattr(cfg, "num_experts", 0) if moe_layers else 0,
+            "moe_layers": moe_layers, "kv_bytes_per_token": kv_bytes_per_token(base)}
+
+
 def kv_bytes_per_token(base: dict) -> int:
     """KV-cache bytes one token holds in the model dtype (every layer), as /get_server_info says."""
     import numpy as np

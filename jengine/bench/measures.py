@@ -10,13 +10,17 @@ byte and FLOP counts of the Llama-3-8B shape (bf16), decode rows, percentages of
     prefill at the GEMM peak, then m - 1 decode steps of all R rows at contexts n + 1 .. n + m - 1,
     each at the larger of its bytes over the HBM bandwidth and its FLOPs over the GEMM peak -- the
     fastest that work can be done on this GPU, so no scheduler can beat it
+Another GQA shape (the MoE shape, the small CPU ones) carries its own counts in its model result
+(`step_model`, jengine/bench/common.py): the same terms, with a MoE decode step's experts counted
+as the (layer, expert) pairs its rows were routed to. The Engine workload's bound stays the
+Llama-3-8B shape's only.
 """
 
 from __future__ import annotations
 
 LAYER_PARAMS = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096
 KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
-ROOFLINE_SHAPE = "llama3-8b"  # the byte and FLOP counts above are for this shape only
+ROOFLINE_SHAPE = "llama3-8b"  # the shape the constants above count
 
 
 def decode_bytes(batch: int, context: int, vocab: int) -> float:
@@ -108,22 +112,61 @@ def dispatch_ms(r: dict, bs: int, ctx: int):
     return at(r.get("decode_dispatch_ms") or {}, bs) if r.get("context", 1024) == ctx else None
 
 
-def hbm_percent(ms, bs: int, ctx: int, r: dict, bw) -> float | None:
-    """% of the HBM-bound step time reached (None off the Llama-3-8B shape or without a roofline)."""
-    if not (ms and bw) or r.get("shape", ROOFLINE_SHAPE) != ROOFLINE_SHAPE:
+def row_bytes(bs: int, ctx: int, r: dict) -> float | None:
+    """Bytes the row's decode step must read: the Llama-3-8B shape's decode_bytes, or from another
+    GQA shape's step model (jengine/bench/common.py step_model, bf16): every fixed weight, each
+    (layer, expert) pair its rows routed to once (the model part counts them), the KV. None where
+    the result has no such model (an MLA shape; a MoE row whose routing was not counted)."""
+    if r.get("shape", ROOFLINE_SHAPE) == ROOFLINE_SHAPE:
+        return decode_bytes(bs, ctx, r.get("vocab", 128256))
+    sm = r.get("step_model")
+    if not sm:
         return None
-    return 100 * decode_bytes(bs, ctx, r.get("vocab", 128256)) / (bw * 1e12) / (ms * 1e-3)
+    experts = experts_read(r, bs, ctx)
+    if sm["expert"] and not experts:
+        return None
+    routed = experts["rows"] * sm["expert"] if sm["expert"] else 0
+    return (sm["fixed"] + routed) * 2 + bs * ctx * sm["kv_bytes_per_token"]
+
+
+def experts_read(r: dict, bs: int, ctx: int) -> dict | None:
+    """{"rows", "with_padding"}: the (layer, expert) pairs the row's step routed its rows / its
+    whole token bucket to (jengine/bench/model.py), None for a dense model or an older bench."""
+    long = r.get("long_decode") or {}
+    if (long.get("batch"), long.get("context")) == (bs, ctx):
+        return long.get("experts_read")
+    return at(r.get("experts_read") or {}, bs) if r.get("context", 1024) == ctx else None
+
+
+def hbm_percent(ms, bs: int, ctx: int, r: dict, bw) -> float | None:
+    """% of the HBM-bound step time reached (None without a byte count for the row, or without a
+    roofline)."""
+    nbytes = row_bytes(bs, ctx, r)
+    if not (ms and bw and nbytes):
+        return None
+    return 100 * nbytes / (bw * 1e12) / (ms * 1e-3)
+
+
+def step_model_prefill_flops(n: int, sm: dict) -> float:
+    """prefill_flops for another GQA shape's step model: every token through its matrices (its
+    routed experts only), causal attention over q heads x head_dim in every layer."""
+    return (2 * sm["token_flop_params"] * n
+            + 2 * 2 * (n * n / 2) * sm["attention_width"] * sm["layers"])
 
 
 def prefill_stats(r: dict, peak) -> tuple | None:
     """(tokens, ms, tok/s, TFLOP/s, % of peak) of a model result's prefill chunk; the last two
-    are None off the Llama-3-8B shape (the FLOP count is its), the last without a roofline."""
+    are None for a shape without a FLOP count (an MLA shape), the last without a roofline."""
     ms, n = r.get("prefill_ms"), r.get("prefill_tokens")
     if not (ms and n):
         return None
-    if r.get("shape", ROOFLINE_SHAPE) != ROOFLINE_SHAPE:
+    if r.get("shape", ROOFLINE_SHAPE) == ROOFLINE_SHAPE:
+        flops = prefill_flops(n)
+    elif r.get("step_model"):
+        flops = step_model_prefill_flops(n, r["step_model"])
+    else:
         return n, ms, n / ms * 1e3, None, None
-    tflops = prefill_flops(n) / (ms * 1e-3) / 1e12
+    tflops = flops / (ms * 1e-3) / 1e12
     return n, ms, n / ms * 1e3, tflops, 100 * tflops / peak if peak else None
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import statistics
 import time
 
-from jengine.bench.common import _checkpoint, _median_time, _pages, _pool_tokens, random_runner
+from jengine.bench.common import (_checkpoint, _median_time, _pages, _pool_tokens, random_runner,
+                                  shape_config, step_model)
+from jengine.bench.measures import ROOFLINE_SHAPE
 
 
 def _time_decode(runner, bs: int, context: int, iters: int) -> tuple[float, float, float, float]:
@@ -20,14 +22,8 @@ def _time_decode(runner, bs: int, context: int, iters: int) -> tuple[float, floa
     the calls take to return with the device idle: the host's share of a step (argument handling
     and XLA's launch of every kernel), which the overlapped loop must keep under the device's."""
     import jax
-    import numpy as np
 
-    from jengine.engine.batch import StepBatch
-
-    pages = _pages(context + 1, runner.page_size)
-    tables = 1 + np.arange(bs * pages, dtype=np.int32).reshape(bs, pages)
-    batch = StepBatch(input_ids=np.arange(bs) % 1000, positions=np.full(bs, context),
-                      token_req=np.arange(bs), block_tables=tables, hidden_rows=np.arange(bs))
+    batch = _decode_batch(runner, bs, context)
 
     def dispatch():  # the engine's path: padded hidden states, then the sampled rows' logits
         return runner.logits_at(runner.forward_padded(batch), batch.hidden_rows)
@@ -46,6 +42,37 @@ def _time_decode(runner, bs: int, context: int, iters: int) -> tuple[float, floa
         launch.append(time.perf_counter() - t1)
         jax.block_until_ready(out)
     return compile_s, blocked, pipelined, statistics.median(launch) * 1e3
+
+
+def _decode_batch(runner, bs: int, context: int):
+    """The decode row's step: bs requests at position `context`, each with its own pages (page 0
+    is the null page)."""
+    import numpy as np
+
+    from jengine.engine.batch import StepBatch
+
+    pages = _pages(context + 1, runner.page_size)
+    tables = 1 + np.arange(bs * pages, dtype=np.int32).reshape(bs, pages)
+    return StepBatch(input_ids=np.arange(bs) % 1000, positions=np.full(bs, context),
+                     token_req=np.arange(bs), block_tables=tables, hidden_rows=np.arange(bs))
+
+
+def _experts_read(runner, bs: int, context: int) -> dict | None:
+    """For a model that routes tokens to experts: the (layer, expert) pairs the decode row's step
+    routes its bs rows to ("rows": the experts whose weights the step must read) and its whole
+    token bucket to ("with_padding": the padding rows are routed too, so a routed step may read
+    more); None for a dense model. One untimed step of the timed batch: the same routing."""
+    import numpy as np
+
+    if not runner.routing_shape:
+        return None
+    ids = np.asarray(runner.forward_routed(_decode_batch(runner, bs, context))[1])
+
+    def pairs(rows):  # a dense layer's ids are -1: it reads no expert
+        return int(sum(len(set(rows[:, layer].ravel().tolist()) - {-1})
+                       for layer in range(rows.shape[1])))
+
+    return {"rows": pairs(ids[:bs]), "with_padding": pairs(ids)}
 
 
 def _time_prefill(runner, n: int, iters: int) -> float:
@@ -92,9 +119,15 @@ def part_model(args) -> dict:
            "prefill_tokens": args.prefill_tokens, "max_total_tokens": launch.max_total_tokens,
            "build_s": time.time() - t0, "decode_ms": {}, "decode_pipelined_ms": {},
            "decode_dispatch_ms": {}, "compile_s": {}}
+    if args.shape != ROOFLINE_SHAPE:  # measures.py counts that one's bytes itself
+        out["step_model"] = step_model(shape_config(args.shape)[0])
+    experts = {}
     for bs in args.batch_sizes:
         (out["compile_s"][bs], out["decode_ms"][bs], out["decode_pipelined_ms"][bs],
          out["decode_dispatch_ms"][bs]) = _time_decode(runner, bs, args.context, args.iters)
+        if runner.routing_shape:
+            experts[bs] = _experts_read(runner, bs, args.context)
+            out["experts_read"] = experts
         print(f"[{args.numerics}] decode bs={bs}: {out['decode_ms'][bs]:.2f} ms blocked on, "
               f"{out['decode_pipelined_ms'][bs]:.2f} ms pipelined, "
               f"{out['decode_dispatch_ms'][bs]:.2f} ms to dispatch", flush=True)
@@ -103,7 +136,8 @@ def part_model(args) -> dict:
         bs, ctx = args.long_context_batch, args.long_context
         compile_s, ms, pipelined, launch_ms = _time_decode(runner, bs, ctx, args.iters)
         out["long_decode"] = {"batch": bs, "context": ctx, "ms": ms, "pipelined_ms": pipelined,
-                              "dispatch_ms": launch_ms, "compile_s": compile_s}
+                              "dispatch_ms": launch_ms, "compile_s": compile_s,
+                              "experts_read": _experts_read(runner, bs, ctx)}
         print(f"[{args.numerics}] decode bs={bs} ctx={ctx}: {ms:.2f} ms blocked on, "
               f"{pipelined:.2f} ms pipelined", flush=True)
         _checkpoint(args, out)

@@ -9,8 +9,9 @@ renders what it has and says "not measured (why)" for the rest.
 from __future__ import annotations
 
 from jengine.bench.measures import (LAYER_PARAMS, ROOFLINE_SHAPE, at, by_numerics, decode_rows,
-                                    dispatch_ms, fmt, hbm_percent, not_measured, numerics_ratio,
-                                    pipelined_ms, prefill_stats, vs_engine, workload_bound)
+                                    dispatch_ms, experts_read, fmt, hbm_percent, not_measured,
+                                    numerics_ratio, pipelined_ms, prefill_stats, vs_engine,
+                                    workload_bound)
 from jengine.bench.targets import targets_section
 
 def _stopped(name: str, r: dict) -> list[str]:
@@ -29,8 +30,15 @@ def _model_section(models: dict, bw, peak) -> list[str]:
     lines = ["## Model steps (ModelRunner, random bf16 weights)", ""]
     for name, r in models.items():
         lines += _stopped(f"model --numerics {name}", r)
-    if any(r.get("shape", ROOFLINE_SHAPE) != ROOFLINE_SHAPE for r in models.values()):
-        lines += ["(not the Llama-3-8B shape: no roofline percentages)", ""]
+    others = {r.get("shape") for r in models.values()
+              if r.get("shape", ROOFLINE_SHAPE) != ROOFLINE_SHAPE}
+    if others:
+        counted = all(r.get("step_model") for r in models.values()
+                      if r.get("shape", ROOFLINE_SHAPE) != ROOFLINE_SHAPE)
+        lines += [f"(shape {', '.join(sorted(others))}: " + (
+            "its roofline percentages count its own weights, a MoE step's experts as the "
+            "(layer, expert) pairs its rows were routed to -- see the experts table)" if counted
+            else "no roofline percentages)"), ""]
     rows = decode_rows(models)
     names = [n for n in models if any(n in v for v in rows.values())]
     if rows:
@@ -65,6 +73,7 @@ def _model_section(models: dict, bw, peak) -> list[str]:
                     fmt(dispatch_ms(per.get(n, (None, {}))[1], bs, ctx), ".2f") for n in names)
                     + " |")
             lines.append("")
+    lines += _experts_lines(models, rows, names)
     prefill = {n: prefill_stats(r, peak) for n, r in models.items()}
     if any(prefill.values()):
         lines += [f"| prefill (one chunk) | tokens | ms | tok/s | TFLOP/s | % of GEMM peak "
@@ -78,6 +87,27 @@ def _model_section(models: dict, bw, peak) -> list[str]:
     for n, r in models.items():
         if r.get("kernels"):
             lines.append(f"`{n}` kernels: {r['kernels']}")
+    return lines + [""]
+
+
+def _experts_lines(models: dict, rows: dict, names: list) -> list[str]:
+    """A MoE shape's decode rows: the (layer, expert) pairs each step's rows were routed to (the
+    experts whose weights it must read: its HBM bound counts these) and those of its whole token
+    bucket, whose padding rows are routed too."""
+    cells = {(bs, ctx): [experts_read(per.get(n, (None, {}))[1], bs, ctx) for n in names]
+             for (bs, ctx), per in rows.items()}
+    if not any(e for row in cells.values() for e in row):
+        return []
+    total = next((r["step_model"]["moe_layers"] * r["step_model"]["experts"]
+                  for r in models.values() if (r.get("step_model") or {}).get("experts")), None)
+    lines = ["Experts read per decode step: (layer, expert) pairs routed to by the rows / by the "
+             "whole token bucket (padding rows included)"
+             + (f", of {total} in the model" if total else "") + ".", "",
+             "| row | " + " | ".join(f"{n} rows | {n} with padding" for n in names) + " |",
+             "|---|" + "---|---|" * len(names)]
+    for (bs, ctx), per in cells.items():
+        lines.append(f"| decode bs {bs}, ctx {ctx} | " + " | ".join(
+            f"{e['rows']} | {e['with_padding']}" if e else "- | -" for e in per) + " |")
     return lines + [""]
 
 
