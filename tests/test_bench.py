@@ -326,6 +326,11 @@ def test_compare_ratios_rows_of_both_runs():
     md = render_comparison(new, old, "old.json")
     assert "| model:auto/decode_ms/64 |" in md and "| 0.500 | yes |" in md
     assert "| engine:auto/output_tok_s |" in md and "| 2.000 | yes |" in md
+    assert "Other model shapes" not in md
+    moe = json.loads(json.dumps(new))
+    moe["model:auto"]["shape"] = "qwen3-30b-a3b"
+    md = render_comparison(moe, old, "old.json")
+    assert "**Other model shapes** in model:auto (qwen3-30b-a3b vs llama3-8b)" in md
 
 
 def _check_hf(r, md):

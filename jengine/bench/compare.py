@@ -36,12 +36,25 @@ def compare_rows(new: dict, old: dict) -> list[tuple[str, float, float, float | 
     return [(k, a[k], b[k], a[k] / b[k] if b[k] else None) for k in a if k in b]
 
 
+def shapes(results: dict) -> dict[str, str]:
+    """{part: model shape} of the parts that ran a model (a bench.json from before --shape: the
+    Llama-3-8B shape)."""
+    return {part: r.get("shape", "llama3-8b") for part, r in results.items()
+            if isinstance(r, dict) and part.split(":")[0] in ("model", "engine", "server", "hf")}
+
+
 def render_comparison(new: dict, old: dict, old_name: str) -> str:
     rows = compare_rows(new, old)
-    lines = [f"## Against {old_name}", "",
-             "new / old: for a time (ms, µs, s) below 1 is faster; for a rate (tok/s, TB/s, "
-             "TFLOP/s) above 1 is.", "", "| row | new | old | new / old | better |",
-             "|---|---|---|---|---|"]
+    lines = [f"## Against {old_name}", ""]
+    a, b = shapes(new), shapes(old)
+    differ = sorted(f"{part} ({a[part]} vs {b[part]})" for part in a if part in b
+                    and a[part] != b[part])
+    if differ:  # the same row names, other models: the ratios say nothing about a change
+        lines += ["**Other model shapes** in " + ", ".join(differ) + ": those rows compare two "
+                  "different models.", ""]
+    lines += ["new / old: for a time (ms, µs, s) below 1 is faster; for a rate (tok/s, TB/s, "
+              "TFLOP/s) above 1 is.", "", "| row | new | old | new / old | better |",
+              "|---|---|---|---|---|"]
     for key, x, y, ratio in rows:
         better = "-" if ratio is None or ratio == 1 else (
             "yes" if (ratio > 1) == bool(_RATES.search(key)) else "no")
