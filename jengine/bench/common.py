@@ -117,16 +117,23 @@ def shape_config(shape: str, layers: int = 0) -> tuple[dict, int]:
     return (dict(base, num_hidden_layers=layers) if layers else base), padded
 
 
+def _config_and_family(base: dict):
+    """(ModelConfig, its registered model family) of an HF config dict: what the counts below
+    read, with no weights."""
+    from jengine.models.config import ModelConfig
+    from jengine.models.registry import get_family
+
+    cfg = ModelConfig.from_hf_dict(base)
+    return cfg, get_family(cfg.architecture)
+
+
 def parameter_counts(base: dict) -> dict:
     """{"total", "active"} parameters of an HF config dict, from the family's own ParamSpecs (no
     weights): active counts num_experts_per_tok of each routed stack of num_experts experts."""
     import math
 
-    from jengine.models.config import ModelConfig
-    from jengine.models.registry import get_family
-
-    cfg = ModelConfig.from_hf_dict(base)
-    specs = get_family(cfg.architecture).param_specs(cfg, dtype=cfg.torch_dtype)
+    cfg, family = _config_and_family(base)
+    specs = family.param_specs(cfg, dtype=cfg.torch_dtype)
     experts = getattr(cfg, "num_experts", 0)
     total = active = 0
     for spec in specs.values():
@@ -155,44 +162,42 @@ def step_model(base: dict) -> dict | None:
     norms' 266,240 (tests/test_bench.py)."""
     import math
 
-    from jengine.models.config import ModelConfig
-    from jengine.models.registry import get_family
-
-    cfg = ModelConfig.from_hf_dict(base)
+    cfg, family = _config_and_family(base)
     if getattr(cfg, "kv_lora_rank", 0):
         return None
-    specs = get_family(cfg.architecture).param_specs(cfg, dtype=cfg.torch_dtype)
+    specs = family.param_specs(cfg, dtype=cfg.torch_dtype)
     top_k = getattr(cfg, "num_experts_per_tok", 0)
-    fixed = expert = token = 0
+    fixed = token = 0
+    per_expert: dict[str, int] = {}  # each MoE layer's (`layers.N.`) parameters of one expert
+    experts = 0
     for name, spec in specs.items():
         n = math.prod(spec.shape)
         if name.startswith("embed_tokens"):
             continue
         if spec.stacked:  # one projection of one layer's routed experts, stacked
-            expert_share = n // spec.stacked
-            expert += expert_share
-            token += top_k * expert_share
+            layer = ".".join(name.split(".")[:2])
+            per_expert[layer] = per_expert.get(layer, 0) + n // spec.stacked
+            token += top_k * (n // spec.stacked)
+            experts = spec.stacked
             continue
         fixed += n
         if len(spec.shape) > 1 and not name.startswith("lm_head"):
             token += n
-    layers = cfg.num_hidden_layers
-    moe_layers = sum(1 for name in specs if name.endswith("experts.gate_proj"))
-    return {"fixed": fixed, "expert": expert // max(moe_layers, 1), "token_flop_params": token,
-            "attention_width": cfg.num_attention_heads * cfg.head_dim, "layers": layers,
-            "experts": getattr(cfg, "num_experts", 0) if moe_layers else 0,
-            "moe_layers": moe_layers, "kv_bytes_per_token": kv_bytes_per_token(base)}
+    if len(set(per_expert.values())) > 1:
+        raise ValueError(f"step_model: MoE layers of different expert sizes {per_expert}")
+    return {"fixed": fixed, "expert": next(iter(per_expert.values()), 0),
+            "token_flop_params": token,
+            "attention_width": cfg.num_attention_heads * cfg.head_dim,
+            "layers": cfg.num_hidden_layers, "experts": experts, "moe_layers": len(per_expert),
+            "kv_bytes_per_token": kv_bytes_per_token(base)}
 
 
 def kv_bytes_per_token(base: dict) -> int:
     """KV-cache bytes one token holds in the model dtype (every layer), as /get_server_info says."""
     import numpy as np
 
-    from jengine.models.config import ModelConfig
-    from jengine.models.registry import get_family
-
-    cfg = ModelConfig.from_hf_dict(base)
-    spec = get_family(cfg.architecture).kv_cache_spec(cfg)
+    cfg, family = _config_and_family(base)
+    spec = family.kv_cache_spec(cfg)
     return spec.values_per_token * np.dtype(cfg.torch_dtype).itemsize
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+from jengine.bench.measures import ROOFLINE_SHAPE
+
 # A leaf is a measurement by its key; counts and settings (requests, batch, context, compile
 # counts, build and warm-up seconds) are not compared.
 _METRIC = re.compile(r"(_ms|_us|tok_s|req_s|TBps|TFLOPs|wall_s|overhead_pct)$")
@@ -39,7 +41,7 @@ def compare_rows(new: dict, old: dict) -> list[tuple[str, float, float, float | 
 def shapes(results: dict) -> dict[str, str]:
     """{part: model shape} of the parts that ran a model (a bench.json from before --shape: the
     Llama-3-8B shape)."""
-    return {part: r.get("shape", "llama3-8b") for part, r in results.items()
+    return {part: r.get("shape", ROOFLINE_SHAPE) for part, r in results.items()
             if isinstance(r, dict) and part.split(":")[0] in ("model", "engine", "server", "hf")}
 
 

@@ -121,13 +121,12 @@ def part_model(args) -> dict:
            "decode_dispatch_ms": {}, "compile_s": {}}
     if args.shape != ROOFLINE_SHAPE:  # measures.py counts that one's bytes itself
         out["step_model"] = step_model(shape_config(args.shape)[0])
-    experts = {}
     for bs in args.batch_sizes:
         (out["compile_s"][bs], out["decode_ms"][bs], out["decode_pipelined_ms"][bs],
          out["decode_dispatch_ms"][bs]) = _time_decode(runner, bs, args.context, args.iters)
-        if runner.routing_shape:
-            experts[bs] = _experts_read(runner, bs, args.context)
-            out["experts_read"] = experts
+        experts = _experts_read(runner, bs, args.context)
+        if experts:
+            out.setdefault("experts_read", {})[bs] = experts
         print(f"[{args.numerics}] decode bs={bs}: {out['decode_ms'][bs]:.2f} ms blocked on, "
               f"{out['decode_pipelined_ms'][bs]:.2f} ms pipelined, "
               f"{out['decode_dispatch_ms'][bs]:.2f} ms to dispatch", flush=True)
