@@ -279,6 +279,38 @@ def test_moe_shape_is_qwen3_30b_a3b_and_runs_small(tmp_path):
         assert results["hf"]["generated"] == 2
 
 
+def test_layers_runs_the_first_layers_of_a_shape_and_refuses_what_it_would_not_shorten(tmp_path):
+    """--layers N: the model part builds the shape's first N layers (same widths), counts its
+    roofline bytes over those layers, and the report names the layer count; it says as it goes
+    when the model is built and each step compiled (a part stopped by its timeout keeps only what
+    it printed). It refuses the parts it would not shorten and the shape the goals count whole."""
+    def refusal(*argv):
+        args = bench.add_arguments(argparse.ArgumentParser()).parse_args(list(argv))
+        with pytest.raises(SystemExit) as e:
+            bench.check_layers(args)
+        return str(e.value)
+
+    assert "model part only" in refusal("--layers", "1", "--shape", "qwen3-moe-small")
+    assert "not for --shape llama3-8b" in refusal("--layers", "1", "--parts", "model")
+    assert "has 2 layers" in refusal("--layers", "3", "--parts", "model", "--shape",
+                                     "qwen3-moe-small")
+    assert ">= 1" in refusal("--layers", "-1", "--parts", "model", "--shape", "qwen3-moe-small")
+    argv = [sys.executable, "-m", "jengine.cli", "bench", "--parts", "model", "--shape",
+            "qwen3-moe-small", "--layers", "1", "--numerics", "auto", "--batch-sizes", "1",
+            "--context", "16", "--long-context", "0", "--prefill-tokens", "16", "--iters", "1",
+            "--part-timeout", "120", "--out", str(tmp_path)]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[auto] 1 layers of qwen3-moe-small built on random weights in" in proc.stdout
+    assert "[auto] decode bs=1 ctx=16: compiled and ran once in" in proc.stdout
+    assert "prefill 16: compiled and ran once in" in proc.stdout
+    model = json.loads((tmp_path / "bench.json").read_text())["model:auto"]
+    assert model["layers"] == 1 and model["step_model"]["moe_layers"] == 1
+    assert model["experts_read"]["1"]["rows"] == 1 * 4  # top-4 in the one layer
+    assert "qwen3-moe-small (1 of its 2 layers)" in (tmp_path / "bench.md").read_text()
+
+
 def test_step_model_counts_the_llama_constants_and_a_moe_rows_experts():
     """The generic counts (common.step_model) give measures.py's Llama-3-8B constants (plus the
     norms' weights, which the constants leave out), and a MoE row's bytes are its fixed weights,

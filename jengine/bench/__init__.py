@@ -47,6 +47,7 @@ import time
 from jengine.bench.common import LLAMA3_8B, PADDED_VOCAB, ROWS, SHAPES, SMALL  # noqa: F401
 from jengine.bench.device import part_leaves, part_roofline
 from jengine.bench.e2e import part_engine, part_hf
+from jengine.bench.measures import ROOFLINE_SHAPE
 from jengine.bench.model import part_model
 from jengine.bench.server import part_server
 from jengine.config import LaunchConfig
@@ -109,6 +110,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--shape", default="llama3-8b", choices=list(SHAPES),
                    help="model shape for the model, engine, server and hf parts (small, "
                         "qwen3-moe-small: CPU smoke tests)")
+    p.add_argument("--layers", type=int, default=0,
+                   help="model: the shape's first N layers, same widths (0 = all of them): a "
+                        "shorter model where a whole one does not fit a part's time. Its roofline "
+                        "counts those layers; not for the llama3-8b shape, whose goals count 32")
     p.add_argument("--merge", nargs="+", metavar="BENCH_JSON",
                    help="run nothing: merge bench.json files of separate runs (later ones win per "
                         "part) and render them together into --out")
@@ -128,7 +133,8 @@ def add_parser(subparsers):
 CHILD_OPTIONS = ("batch_sizes", "context", "long_context", "long_context_batch", "prefill_tokens",
                  "rows", "iters", "tile_candidates", "leaf_shapes", "e2e_requests", "e2e_input",
                  "e2e_output", "loop_batch", "server_clients", "server_client_procs", "server_stream",
-                 "server_switch_interval", "output_hold_ms", "hf_batch", "hf_new_tokens", "shape")
+                 "server_switch_interval", "output_hold_ms", "hf_batch", "hf_new_tokens", "shape",
+                 "layers")
 
 
 def _child_argv(args) -> list[str]:
@@ -237,7 +243,27 @@ def _write(results: dict, out_dir: str, compare: str | None = None) -> str:
     return md
 
 
+def check_layers(args) -> None:
+    """--layers shortens the model part only, and only off the shape the goals are set on (its byte
+    counts are measures.py's constants for all 32 layers): refuse what it would not apply to."""
+    if not args.layers or args.merge:
+        return
+    if args.layers < 0:
+        raise SystemExit(f"--layers {args.layers}: a layer count is >= 1 (0 = all of them)")
+    others = [p for p in args.parts if p not in ("model", "roofline")]
+    if others:
+        raise SystemExit(f"--layers {args.layers} shortens the model part only; the parts "
+                         f"{others} would run the whole shape: run them in a separate bench")
+    if args.shape == ROOFLINE_SHAPE:
+        raise SystemExit(f"--layers {args.layers}: not for --shape {ROOFLINE_SHAPE}, whose goals "
+                         "and byte counts are for all its layers")
+    whole = SHAPES[args.shape][0]["num_hidden_layers"]
+    if args.layers > whole:
+        raise SystemExit(f"--layers {args.layers}: --shape {args.shape} has {whole} layers")
+
+
 def main(args) -> int:
+    check_layers(args)
     if args.merge:
         results = merge_results(args.merge)
     else:

@@ -23,6 +23,16 @@ KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
 ROOFLINE_SHAPE = "llama3-8b"  # the shape the constants above count
 
 
+def shape_label(r: dict) -> str:
+    """A result's shape, with its layer count where --layers ran fewer than the shape has."""
+    from jengine.bench.common import SHAPES
+
+    shape = r.get("shape", ROOFLINE_SHAPE)
+    whole = SHAPES[shape][0]["num_hidden_layers"] if shape in SHAPES else None
+    layers = r.get("layers")
+    return f"{shape} ({layers} of its {whole} layers)" if layers and layers != whole else shape
+
+
 def decode_bytes(batch: int, context: int, vocab: int) -> float:
     return (32 * LAYER_PARAMS + vocab * 4096) * 2 + batch * context * KV_BYTES_PER_TOKEN
 

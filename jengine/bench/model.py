@@ -11,7 +11,8 @@ from jengine.bench.common import (_checkpoint, _median_time, _pages, _pool_token
 from jengine.bench.measures import ROOFLINE_SHAPE
 
 
-def _time_decode(runner, bs: int, context: int, iters: int) -> tuple[float, float, float, float]:
+def _time_decode(runner, bs: int, context: int, iters: int,
+                 label: str = "") -> tuple[float, float, float, float]:
     """(compile s, median ms, pipelined median ms, dispatch median ms) of one decode step: bs
     requests, each at position `context` with its own pages (page 0 is the null page).
 
@@ -32,6 +33,9 @@ def _time_decode(runner, bs: int, context: int, iters: int) -> tuple[float, floa
     t0 = time.time()
     step()
     compile_s = time.time() - t0
+    # Said as it happens: a part stopped by its timeout keeps only what it printed.
+    print(f"[{label}] decode bs={bs} ctx={context}: compiled and ran once in "
+          f"{compile_s:.1f} s", flush=True)
     blocked = _median_time(step, iters, warmup=1) * 1e3
     pipelined = _median_time(dispatch, iters, warmup=1, back_to_back=8,
                              sync=jax.block_until_ready) * 1e3
@@ -86,7 +90,9 @@ def _time_prefill(runner, n: int, iters: int) -> float:
     batch = StepBatch(input_ids=np.arange(n) % 1000, positions=np.arange(n),
                       token_req=np.zeros(n), block_tables=tables, hidden_rows=[n - 1])
     step = lambda: jax.block_until_ready(runner.logits_at(runner.forward_padded(batch), batch.hidden_rows))
+    t0 = time.time()
     step()
+    print(f"prefill {n}: compiled and ran once in {time.time() - t0:.1f} s", flush=True)
     # A chunk takes ~100x a decode step: half the samples suffice.
     return _median_time(step, max(3, iters // 2), warmup=1) * 1e3
 
@@ -113,17 +119,21 @@ def _model_launch(args):
 def part_model(args) -> dict:
     launch = _model_launch(args)
     t0 = time.time()
-    runner, _, loaded = random_runner(args.shape, args.numerics, launch)
+    runner, _, loaded = random_runner(args.shape, args.numerics, launch, layers=args.layers)
+    print(f"[{args.numerics}] {loaded.config.num_hidden_layers} layers of {args.shape} built on "
+          f"random weights in {time.time() - t0:.1f} s", flush=True)
     out = {"numerics": args.numerics, "vocab": loaded.config.vocab_size,
            "kernels": runner.kernels.describe(), "shape": args.shape, "context": args.context,
+           "layers": loaded.config.num_hidden_layers,
            "prefill_tokens": args.prefill_tokens, "max_total_tokens": launch.max_total_tokens,
            "build_s": time.time() - t0, "decode_ms": {}, "decode_pipelined_ms": {},
            "decode_dispatch_ms": {}, "compile_s": {}}
     if args.shape != ROOFLINE_SHAPE:  # measures.py counts that one's bytes itself
-        out["step_model"] = step_model(shape_config(args.shape)[0])
+        out["step_model"] = step_model(shape_config(args.shape, args.layers)[0])
     for bs in args.batch_sizes:
         (out["compile_s"][bs], out["decode_ms"][bs], out["decode_pipelined_ms"][bs],
-         out["decode_dispatch_ms"][bs]) = _time_decode(runner, bs, args.context, args.iters)
+         out["decode_dispatch_ms"][bs]) = _time_decode(runner, bs, args.context, args.iters,
+                                                        args.numerics)
         experts = _experts_read(runner, bs, args.context)
         if experts:
             out.setdefault("experts_read", {})[bs] = experts
@@ -133,7 +143,8 @@ def part_model(args) -> dict:
         _checkpoint(args, out)
     if args.long_context:  # after the normal rows: a failure here keeps them
         bs, ctx = args.long_context_batch, args.long_context
-        compile_s, ms, pipelined, launch_ms = _time_decode(runner, bs, ctx, args.iters)
+        compile_s, ms, pipelined, launch_ms = _time_decode(runner, bs, ctx, args.iters,
+                                                           args.numerics)
         out["long_decode"] = {"batch": bs, "context": ctx, "ms": ms, "pipelined_ms": pipelined,
                               "dispatch_ms": launch_ms, "compile_s": compile_s,
                               "experts_read": _experts_read(runner, bs, ctx)}

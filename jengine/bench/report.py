@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from jengine.bench.measures import (LAYER_PARAMS, ROOFLINE_SHAPE, at, by_numerics, decode_rows,
                                     dispatch_ms, experts_read, fmt, hbm_percent, not_measured,
-                                    numerics_ratio, pipelined_ms, prefill_stats, vs_engine,
-                                    workload_bound)
+                                    numerics_ratio, pipelined_ms, prefill_stats, shape_label,
+                                    vs_engine, workload_bound)
 from jengine.bench.targets import targets_section
 
 def _stopped(name: str, r: dict) -> list[str]:
@@ -30,7 +30,7 @@ def _model_section(models: dict, bw, peak) -> list[str]:
     lines = ["## Model steps (ModelRunner, random bf16 weights)", ""]
     for name, r in models.items():
         lines += _stopped(f"model --numerics {name}", r)
-    others = {r.get("shape") for r in models.values()
+    others = {shape_label(r) for r in models.values()
               if r.get("shape", ROOFLINE_SHAPE) != ROOFLINE_SHAPE}
     if others:
         counted = all(r.get("step_model") for r in models.values()

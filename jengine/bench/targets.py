@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from jengine.bench.measures import (ROOFLINE_SHAPE, by_numerics, decode_rows, hbm_percent,
                                     not_measured, numerics_ratio, pipelined_ms, prefill_stats,
-                                    status, vs_engine, workload_bound)
+                                    shape_label, status, vs_engine, workload_bound)
 
 # Issue #19's goals.
 # (numerics, batch, context, min % of the HBM bound) of a decode step
@@ -132,7 +132,7 @@ def target_rows(results: dict) -> list[tuple[str, str, str]]:
 
 def targets_section(results: dict) -> list[str]:
     lines = ["## Targets (issue #19), against this run's roofline", ""]
-    shapes = sorted({r.get("shape", ROOFLINE_SHAPE) for part in ("model", "engine", "server")
+    shapes = sorted({shape_label(r) for part in ("model", "engine", "server")
                      for r in by_numerics(results, part).values()} - {ROOFLINE_SHAPE})
     if shapes:  # e.g. the MoE shape: its rows are compared, but the goals were set for another
         lines += [f"Issue #19's goals are set on the {ROOFLINE_SHAPE} shape; this run's "
