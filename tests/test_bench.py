@@ -168,6 +168,26 @@ def test_part_timeouts_and_launch_sizing():
         256 * 1280, 256, 4096)
 
 
+def test_a_parts_output_is_passed_on_as_it_comes_and_kept_past_its_timeout(monkeypatch, capsys):
+    """A part's lines reach the bench's stdout while the part runs: a step cut short on the device
+    (which kills the bench itself) keeps in its log how far each part got. A part stopped by its
+    timeout returns its lines as the error's tail."""
+    child = ("import sys, time; print('built in 0.1 s', flush=True); "
+             "print('to stderr', file=sys.stderr, flush=True); time.sleep(60)")
+    monkeypatch.setattr(bench, "_child_command", lambda *a: [sys.executable, "-c", child])
+    args = bench.add_arguments(argparse.ArgumentParser()).parse_args(
+        ["--part-timeout", "model=3"])
+    result = bench._run_child("model", "auto", args)
+    assert result["error"] == "timeout after 3 s" and "built in 0.1 s" in result["tail"]
+    assert "to stderr" not in result["tail"]  # stderr joins the tail only when a part fails
+    assert "built in 0.1 s" in capsys.readouterr().out
+    failing = ("import sys; print('half', flush=True); print('Traceback', file=sys.stderr); "
+               "sys.exit(3)")
+    monkeypatch.setattr(bench, "_child_command", lambda *a: [sys.executable, "-c", failing])
+    result = bench._run_child("model", "auto", args)
+    assert result["error"] == "rc=3" and "half" in result["tail"] and "Traceback" in result["tail"]
+
+
 def _bench_cli(tmp_path, numerics):
     argv = [sys.executable, "-m", "jengine.cli", "bench", "--parts", "engine", "server", "hf",
             "--shape", "small", "--numerics", *numerics, "--e2e-requests", "4", "--e2e-input",

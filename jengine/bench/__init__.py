@@ -42,6 +42,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from jengine.bench.common import LLAMA3_8B, PADDED_VOCAB, ROWS, SHAPES, SMALL  # noqa: F401
@@ -172,29 +173,53 @@ def _read_partial(path: str) -> dict:
         return json.load(f)
 
 
+def _child_command(part: str, numerics: str, path: str, args) -> list[str]:
+    return [sys.executable, "-m", "jengine.bench", "--child", part, "--child-out", path,
+            "--numerics", numerics, *_child_argv(args)]
+
+
 def _run_child(part: str, numerics: str, args) -> dict:
+    """Run one part in its own process under its timeout. The child's stdout is passed on line by
+    line as it comes, not at its end: a device call cut short (the step's own limit) still has in
+    its log how far each part got."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
     timeouts = part_timeouts(args.part_timeout)
     timeout = timeouts.get(part, timeouts[""])
-    argv = [sys.executable, "-m", "jengine.bench", "--child", part, "--child-out", path,
-            "--numerics", numerics, *_child_argv(args)]
     start = time.time()
+    proc = subprocess.Popen(_child_command(part, numerics, path, args), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out, err = [], []
+
+    def pump(stream, into, echo):  # a thread per pipe: neither may fill while the other is read
+        for line in stream:
+            into.append(line)
+            if echo:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+    pumps = [threading.Thread(target=pump, args=(proc.stdout, out, True), daemon=True),
+             threading.Thread(target=pump, args=(proc.stderr, err, False), daemon=True)]
+    for t in pumps:
+        t.start()
     try:
-        proc = subprocess.run(argv, timeout=timeout, text=True, capture_output=True,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        sys.stdout.write(proc.stdout[-4000:])
-        if proc.returncode != 0:
-            return {**_read_partial(path), "error": f"rc={proc.returncode}",
-                    "tail": (proc.stdout + proc.stderr)[-3000:]}
+        proc.wait(timeout=timeout)
+        error = None if proc.returncode == 0 else f"rc={proc.returncode}"
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        error = f"timeout after {timeout} s"
+    for t in pumps:
+        t.join()
+    try:
         result = _read_partial(path)
-        result.pop("partial", None)
-    except subprocess.TimeoutExpired as exc:
-        tail = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout
-        return {**_read_partial(path), "error": f"timeout after {timeout} s",
-                "tail": (tail or "")[-3000:]}
     finally:
         os.unlink(path)
+    if error:
+        tail = "".join(out) + ("".join(err) if error.startswith("rc=") else "")
+        return {**result, "error": error, "tail": tail[-3000:]}
+    result.pop("partial", None)
     result["seconds"] = round(time.time() - start, 1)
     return result
 
