@@ -554,7 +554,7 @@ for s in "$@"; do
       step server_si100us 200 python3 -m jengine.cli bench --parts server --numerics auto --server-switch-interval 0.0001 --part-timeout 190 --out "$out/server_si100us" ;;
     bench_hf) step bench_hf 200 python3 -m jengine.cli bench --parts hf --part-timeout 190 --out "$out/bench_hf" ;;
     bench_moe) step bench_moe 560 python3 -m jengine.cli bench --parts roofline model --shape qwen3-30b-a3b --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 4096 --part-timeout 60 model=240 --out "$out/bench_moe" ;;
-    bench_moe_short) step bench_moe_short 430 python3 -m jengine.cli bench --parts roofline model --shape qwen3-30b-a3b --layers 8 --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 4096 --part-timeout 60 model=180 --out "$out/bench_moe_short" ;;
+    bench_moe_short) step bench_moe_short 370 python3 -m jengine.cli bench --parts roofline model --shape qwen3-30b-a3b --layers 8 --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 4096 --part-timeout 60 model=150 --out "$out/bench_moe_short" ;;
     bench_moe_hf) step bench_moe_hf 300 python3 -m jengine.cli bench --parts hf --shape qwen3-30b-a3b --hf-batch 16 --hf-new-tokens 32 --part-timeout 290 --out "$out/bench_moe_hf" ;;
     router_topk) step router_topk 300 python3 scripts/gpu_router_topk.py --experts 8 128 --ks 1 2 4 8 32 64 --out "$out/router_topk" ;;
     router_topk_mid) step router_topk_mid 300 python3 scripts/gpu_router_topk.py --experts 64 160 --ks 6 12 16 33 50 --out "$out/router_topk_mid" ;;
