@@ -238,7 +238,7 @@
 #   bench_moe_short  the same rows on the shape's first 8 of 48 layers (--layers 8): the whole
 #                  shape's model parts printed nothing in 240 s each on an H100 (forty-third
 #                  session); the parts now say when the model is built and each step compiled
-#   bench_moe_probe  bs 1 only on those 8 layers, both numerics, no roofline or prefill (~4 min at
+#   bench_moe_probe  bs 1 only on those 8 layers, both numerics, no roofline or prefill (~3 min at
 #                  most): how long building and compiling take, and the einsum (auto) against the
 #                  routed pairs (rl-bitwise) at one row
 #   bench_moe_hf   the HF transformers generate peer of that shape (Qwen3MoeForCausalLM), bs 16
@@ -558,7 +558,7 @@ for s in "$@"; do
     bench_hf) step bench_hf 200 python3 -m jengine.cli bench --parts hf --part-timeout 190 --out "$out/bench_hf" ;;
     bench_moe) step bench_moe 560 python3 -m jengine.cli bench --parts roofline model --shape qwen3-30b-a3b --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 4096 --part-timeout 60 model=240 --out "$out/bench_moe" ;;
     bench_moe_short) step bench_moe_short 370 python3 -m jengine.cli bench --parts roofline model --shape qwen3-30b-a3b --layers 8 --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 4096 --part-timeout 60 model=150 --out "$out/bench_moe_short" ;;
-    bench_moe_probe) step bench_moe_probe 260 python3 -m jengine.cli bench --parts model --shape qwen3-30b-a3b --layers 8 --iters 10 --batch-sizes 1 --long-context 0 --prefill-tokens 0 --part-timeout 120 --out "$out/bench_moe_probe" ;;
+    bench_moe_probe) step bench_moe_probe 200 python3 -m jengine.cli bench --parts model --shape qwen3-30b-a3b --layers 8 --iters 10 --batch-sizes 1 --long-context 0 --prefill-tokens 0 --part-timeout 95 --out "$out/bench_moe_probe" ;;
     bench_moe_hf) step bench_moe_hf 300 python3 -m jengine.cli bench --parts hf --shape qwen3-30b-a3b --hf-batch 16 --hf-new-tokens 32 --part-timeout 290 --out "$out/bench_moe_hf" ;;
     router_topk) step router_topk 300 python3 scripts/gpu_router_topk.py --experts 8 128 --ks 1 2 4 8 32 64 --out "$out/router_topk" ;;
     router_topk_mid) step router_topk_mid 300 python3 scripts/gpu_router_topk.py --experts 64 160 --ks 6 12 16 33 50 --out "$out/router_topk_mid" ;;
