@@ -331,6 +331,31 @@ def test_layers_runs_the_first_layers_of_a_shape_and_refuses_what_it_would_not_s
     assert "qwen3-moe-small (1 of its 2 layers)" in (tmp_path / "bench.md").read_text()
 
 
+def test_moe_compile_probe_times_each_phase_and_keeps_what_a_stop_leaves(tmp_path):
+    """scripts/gpu_moe_compile.py on the CPU twin: each phase of the first decode call is timed, in
+    order. A child stopped by its limit is a row saying so with the phases it had finished; a
+    limit too short for any (a stop at a given phase would depend on the machine's speed) leaves
+    the row with none."""
+    script = os.path.join(ROOT, "scripts", "gpu_moe_compile.py")
+    base = [sys.executable, script, "--shape", "qwen3-moe-small", "--layers", "1",
+            "--numerics", "auto", "--context", "16"]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run(base + ["--out", str(tmp_path / "ok")], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "ok" / "moe_compile.json").read_text())
+    assert row["kernels"] == "portable" and row["stablehlo_lines"] > 100
+    assert all(row[k] > 0 for k in ("build_s", "lower_s", "compile_s", "second_run_ms")), row
+    order = [proc.stdout.index(f"[auto, 1 layers] {k}") for k in (
+        "build_s", "lower_s", "compile_s", "first_run_s", "second_run_ms")]
+    assert order == sorted(order)
+    proc = subprocess.run(base + ["--out", str(tmp_path / "cut"), "--child-timeout", "0.5"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    (row,) = json.loads((tmp_path / "cut" / "moe_compile.json").read_text())
+    assert proc.returncode == 1 and row["error"] == "stopped after 0.5 s" and "build_s" not in row
+    assert "| auto | 1 | - | - |" in (tmp_path / "cut" / "moe_compile.md").read_text()
+
+
 def test_step_model_counts_the_llama_constants_and_a_moe_rows_experts():
     """The generic counts (common.step_model) give measures.py's Llama-3-8B constants (plus the
     norms' weights, which the constants leave out), and a MoE row's bytes are its fixed weights,

@@ -117,9 +117,12 @@ def _model_launch(args):
 
 
 def part_model(args) -> dict:
+    import jax
+
     launch = _model_launch(args)
     t0 = time.time()
     runner, _, loaded = random_runner(args.shape, args.numerics, launch, layers=args.layers)
+    jax.block_until_ready(runner.params.arrays)  # drawn on the device: "built" means resident
     print(f"[{args.numerics}] {loaded.config.num_hidden_layers} layers of {args.shape} built on "
           f"random weights in {time.time() - t0:.1f} s", flush=True)
     out = {"numerics": args.numerics, "vocab": loaded.config.vocab_size,

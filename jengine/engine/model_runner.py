@@ -243,6 +243,23 @@ class ModelRunner:
         """`forward_padded`'s hidden states and, for a model that routes tokens to experts, the
         expert ids int32[T_pad, layers, k] of every row (None otherwise). The same program: the
         ids stay on the device unless the caller reads them."""
+        input_ids, positions, token_req, block_tables = self.padded_inputs(batch)
+        if self.eplb is not None and self.eplb.rebalance_due():
+            self.rebalance_experts()
+        if previous_tokens is not None:
+            # A separate small program, so the step program (and its bits) is the one without
+            # overlap; the ids stay on the device, and nothing here waits for the step in flight.
+            input_ids = self._fill_placeholders(input_ids, previous_tokens)
+        pool = self.kv_pool
+        hidden, pool.arrays, *routed = self._forward(self._params, pool.arrays, input_ids,
+                                                     positions, token_req, block_tables)
+        if self.eplb is not None:
+            self.eplb.count(routed[0], batch.num_tokens)
+        return hidden, (routed[0] if routed else None)
+
+    def padded_inputs(self, batch: StepBatch) -> tuple[np.ndarray, ...]:
+        """(input_ids, positions, token_req, block_tables) of the step program: the batch padded
+        to its token bucket and page bucket, so one program serves every batch of a bucket."""
         t = batch.num_tokens
         if t == 0:
             raise ValueError("empty step batch")
@@ -261,18 +278,7 @@ class ModelRunner:
         positions[:t] = batch.positions
         token_req[:t] = batch.token_req
         block_tables[:r, :p] = batch.block_tables
-        if self.eplb is not None and self.eplb.rebalance_due():
-            self.rebalance_experts()
-        if previous_tokens is not None:
-            # A separate small program, so the step program (and its bits) is the one without
-            # overlap; the ids stay on the device, and nothing here waits for the step in flight.
-            input_ids = self._fill_placeholders(input_ids, previous_tokens)
-        pool = self.kv_pool
-        hidden, pool.arrays, *routed = self._forward(self._params, pool.arrays, input_ids,
-                                                     positions, token_req, block_tables)
-        if self.eplb is not None:
-            self.eplb.count(routed[0], t)
-        return hidden, (routed[0] if routed else None)
+        return input_ids, positions, token_req, block_tables
 
     # -- EPLB (jengine/engine/expert_placement.py) -------------------------------------------------
     def rebalance_experts(self, placement=None) -> dict:
