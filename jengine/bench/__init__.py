@@ -32,6 +32,9 @@ Every time is the median of --iters timed runs after warm-up (engine: one timed 
 bench.json and bench.md (results: docs/performance.md). --shape small runs all of it on a CPU.
 --shape qwen3-30b-a3b is issue 8's MoE shape (qwen3-moe-small its CPU smoke test): its decode rows
 count the (layer, expert) pairs each step routes to, which its HBM bound reads (measures.row_bytes).
+--layers N runs the model part on a shape's first N layers (same widths), where a whole one does
+not fit a part's time. A part's output is passed on as it runs, and the model part says when its
+model is built and each step compiled: a part stopped by its timeout shows how far it got.
 """
 
 from __future__ import annotations
