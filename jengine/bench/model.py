@@ -34,7 +34,7 @@ def _time_decode(runner, bs: int, context: int, iters: int,
     step()
     compile_s = time.time() - t0
     # Said as it happens: a part stopped by its timeout keeps only what it printed.
-    print(f"[{label}] decode bs={bs} ctx={context}: compiled and ran once in "
+    print(f"{f'[{label}] ' if label else ''}decode bs={bs} ctx={context}: compiled and ran once in "
           f"{compile_s:.1f} s", flush=True)
     blocked = _median_time(step, iters, warmup=1) * 1e3
     pipelined = _median_time(dispatch, iters, warmup=1, back_to_back=8,
