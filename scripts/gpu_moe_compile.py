@@ -20,15 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from jengine.bench.common import _read_partial, run_streamed  # noqa: E402
 
 PHASES = ("build_s", "lower_s", "compile_s", "first_run_s", "second_run_ms")
 
@@ -36,7 +36,7 @@ PHASES = ("build_s", "lower_s", "compile_s", "first_run_s", "second_run_ms")
 def child(args) -> dict:
     import jax
 
-    from jengine.bench.common import random_runner
+    from jengine.bench.common import _checkpoint, random_runner
     from jengine.bench.model import _decode_batch, _model_launch
 
     rows = argparse.Namespace(numerics=args.numerics, batch_sizes=[args.batch],
@@ -48,8 +48,7 @@ def child(args) -> dict:
         out.update(extra)
         print(f"[{args.numerics}, {args.layers} layers] {name} {out[name]}"
               + "".join(f", {k} {v}" for k, v in extra.items()), flush=True)
-        with open(args.child_out, "w") as f:  # what is known so far survives a kill
-            json.dump(out, f)
+        _checkpoint(args, out)  # what is known so far survives a kill
 
     t0 = time.time()
     runner, _, _ = random_runner(args.shape, args.numerics, _model_launch(rows),
@@ -92,32 +91,16 @@ def run_child(numerics: str, layers: int, args) -> dict:
     argv = [sys.executable, __file__, "--child", "--numerics", numerics, "--child-out", path,
             "--shape", args.shape, "--layers", str(layers), "--batch", str(args.batch),
             "--context", str(args.context)]
-    proc = subprocess.Popen(argv, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "JAX_LOG_COMPILES": "1", "PYTHONUNBUFFERED": "1"})
-    lines = []
-
-    def pump():  # passed on as it comes: a kill keeps the log
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("[") or _slow_compile(line):
-                sys.stdout.write(line)
-                sys.stdout.flush()
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    try:
-        proc.wait(timeout=args.child_timeout)
-        error = f"rc={proc.returncode}" if proc.returncode else None
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        error = f"stopped after {args.child_timeout:g} s"
-    reader.join()
-    with open(path) as f:
-        text = f.read()
+    returncode, lines, _ = run_streamed(
+        argv, args.child_timeout, merge_stderr=True,
+        env={**os.environ, "JAX_LOG_COMPILES": "1", "PYTHONUNBUFFERED": "1"},
+        show=lambda line: line.startswith("[") or _slow_compile(line))
+    result = _read_partial(path)
     os.unlink(path)
-    result = json.loads(text) if text else {}
-    if error:
+    result.pop("partial", None)
+    if returncode != 0:
+        error = (f"stopped after {args.child_timeout:g} s" if returncode is None
+                 else f"rc={returncode}")
         result.update(error=error, tail="".join(lines)[-2000:])
     return result
 

@@ -408,6 +408,13 @@ def test_compare_ratios_rows_of_both_runs():
     moe["model:auto"]["shape"] = "qwen3-30b-a3b"
     md = render_comparison(moe, old, "old.json")
     assert "**Other model shapes** in model:auto (qwen3-30b-a3b vs llama3-8b)" in md
+    short = json.loads(json.dumps(moe))  # the same shape, cut by --layers: another model too
+    short["model:auto"]["layers"] = 8
+    md = render_comparison(short, moe, "old.json")
+    assert ("**Other model shapes** in model:auto (qwen3-30b-a3b (8 of its 48 layers) vs "
+            "qwen3-30b-a3b)") in md
+    moe["model:auto"]["layers"] = 48  # the whole shape's count is no cut
+    assert "Other model shapes" not in render_comparison(moe, json.loads(json.dumps(moe)), "o")
 
 
 def _check_hf(r, md):

@@ -42,13 +42,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 from jengine.bench.common import LLAMA3_8B, PADDED_VOCAB, ROWS, SHAPES, SMALL  # noqa: F401
+from jengine.bench.common import _read_partial, run_streamed
 from jengine.bench.device import part_leaves, part_roofline
 from jengine.bench.e2e import part_engine, part_hf
 from jengine.bench.measures import ROOFLINE_SHAPE
@@ -169,13 +168,6 @@ def _timeout_entry(value: str) -> str:
     return value
 
 
-def _read_partial(path: str) -> dict:
-    if not os.path.getsize(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
-
-
 def _child_command(part: str, numerics: str, path: str, args) -> list[str]:
     return [sys.executable, "-m", "jengine.bench", "--child", part, "--child-out", path,
             "--numerics", numerics, *_child_argv(args)]
@@ -190,31 +182,10 @@ def _run_child(part: str, numerics: str, args) -> dict:
     timeouts = part_timeouts(args.part_timeout)
     timeout = timeouts.get(part, timeouts[""])
     start = time.time()
-    proc = subprocess.Popen(_child_command(part, numerics, path, args), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    out, err = [], []
-
-    def pump(stream, into, echo):  # a thread per pipe: neither may fill while the other is read
-        for line in stream:
-            into.append(line)
-            if echo:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-
-    pumps = [threading.Thread(target=pump, args=(proc.stdout, out, True), daemon=True),
-             threading.Thread(target=pump, args=(proc.stderr, err, False), daemon=True)]
-    for t in pumps:
-        t.start()
-    try:
-        proc.wait(timeout=timeout)
-        error = None if proc.returncode == 0 else f"rc={proc.returncode}"
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        error = f"timeout after {timeout} s"
-    for t in pumps:
-        t.join()
+    returncode, out, err = run_streamed(_child_command(part, numerics, path, args), timeout,
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    error = (f"timeout after {timeout} s" if returncode is None
+             else f"rc={returncode}" if returncode else None)
     try:
         result = _read_partial(path)
     finally:

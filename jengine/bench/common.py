@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import subprocess
+import sys
+import threading
 import time
 
 LLAMA3_8B = dict(architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336,
@@ -67,6 +71,48 @@ def _checkpoint(args, result: dict) -> None:
     if getattr(args, "child_out", None):
         with open(args.child_out, "w") as f:
             json.dump({**result, "partial": True}, f, default=str)
+
+
+def _read_partial(path: str) -> dict:
+    """What a child's _checkpoint wrote last ({} when it wrote nothing)."""
+    if not os.path.getsize(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def run_streamed(argv: list[str], timeout: float, *, env: dict, show=lambda line: True,
+                 merge_stderr: bool = False) -> tuple[int | None, list[str], list[str]]:
+    """Run a child process under `timeout` s: (its return code, None when the timeout killed it;
+    its stdout lines; its stderr lines). Each stdout line that `show` accepts is passed on to our
+    stdout as it comes, not at the end: a device call cut short by its own limit still has in its
+    log how far the child got. merge_stderr reads stderr as part of stdout."""
+    proc = subprocess.Popen(argv, text=True, stdout=subprocess.PIPE, env=env,
+                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE)
+    out: list[str] = []
+    err: list[str] = []
+
+    def pump(stream, into, echo):  # a thread per pipe: neither may fill while the other is read
+        for line in stream:
+            into.append(line)
+            if echo and show(line):
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+    pumps = [threading.Thread(target=pump, args=(proc.stdout, out, True), daemon=True)]
+    if not merge_stderr:
+        pumps.append(threading.Thread(target=pump, args=(proc.stderr, err, False), daemon=True))
+    for t in pumps:
+        t.start()
+    try:
+        returncode = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        returncode = None
+    for t in pumps:
+        t.join()
+    return returncode, out, err
 
 
 def _median_time(fn, iters: int, warmup: int = 2, back_to_back: int = 1, sync=None) -> float:

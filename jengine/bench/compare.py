@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from jengine.bench.measures import ROOFLINE_SHAPE
+from jengine.bench.measures import shape_label
 
 # A leaf is a measurement by its key; counts and settings (requests, batch, context, compile
 # counts, build and warm-up seconds) are not compared.
@@ -39,9 +39,9 @@ def compare_rows(new: dict, old: dict) -> list[tuple[str, float, float, float | 
 
 
 def shapes(results: dict) -> dict[str, str]:
-    """{part: model shape} of the parts that ran a model (a bench.json from before --shape: the
-    Llama-3-8B shape)."""
-    return {part: r.get("shape", ROOFLINE_SHAPE) for part, r in results.items()
+    """{part: model shape, with its layer count where --layers cut it} of the parts that ran a
+    model (a bench.json from before --shape: the Llama-3-8B shape)."""
+    return {part: shape_label(r) for part, r in results.items()
             if isinstance(r, dict) and part.split(":")[0] in ("model", "engine", "server", "hf")}
 
 
