@@ -1,6 +1,6 @@
 """Goldens: the bits a refactor must not change, recorded before it and compared after.
 
-    python scripts/goldens.py record --out tests/goldens/cpu.json [--sections tiny families]
+    python scripts/goldens.py record --out tests/goldens/cpu.json [--sections tiny families moe]
     python scripts/goldens.py check tests/goldens/cpu.json [--sections tiny]
 
 A golden document holds, per case, the token ids and the exact bits (float64 hex, so -0.0 != +0.0)
@@ -12,6 +12,9 @@ alternatives. Sections:
   families    a tiny random checkpoint per dense family (interop.testing.make_tiny_hf_model: Llama,
               Qwen2, Qwen3, and Llama with llama3 rope at head_dim 128): the engine's teacher-forced
               logprobs, a greedy continuation, and the trainer-mode dump's logprobs (torch)
+  moe         the same per MoE family (Qwen3-MoE, DeepSeek-V3 with MLA, LongCat-Flash; tiny random
+              checkpoints), the engine's bits only: its routed experts, router and combine (no
+              trainer dumps: tests/test_moe_align.py aligns the trainer bit for bit)
   production  (GPU) 8B-class widths, 2 layers (hidden 4096, 32/8 heads, head_dim 128, Llama-3 and
               Qwen3 vocabularies): teacher-forced 1200-token sequences and 16 greedy tokens
 
@@ -42,6 +45,11 @@ FAMILY_CASES = {
         head_dim=128, num_attention_heads=4, num_key_value_heads=1, hidden_size=128,
         rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 256})),
+}
+MOE_CASES = {
+    "qwen3_moe": ("Qwen3MoeForCausalLM", {}),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", {}),
+    "longcat_flash": ("LongcatFlashForCausalLM", {}),
 }
 PRODUCTION_CASES = {
     "llama_8b_width": ("LlamaForCausalLM", dict(intermediate_size=14336, vocab_size=128256,
@@ -154,12 +162,12 @@ def _trainer_logprobs(model_dir, seqs, workdir: Path, device: str) -> list:
     return [[bits(float(x)) for x in np.asarray(r["logprob"], np.float32)] for r in read_dump(out)]
 
 
-def section_families(trainer: bool, device: str = "cpu") -> dict:
+def section_families(trainer: bool, device: str = "cpu", cases=None) -> dict:
     from interop.testing import make_tiny_hf_model
 
     result = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (arch, overrides) in FAMILY_CASES.items():
+        for name, (arch, overrides) in (FAMILY_CASES if cases is None else cases).items():
             d = make_tiny_hf_model(Path(tmp) / name, arch, seed=11, **overrides)
             seqs = _sequences(32768, (9, 37, 70), seed=5)
             eng = _family_engine(d, arch)
@@ -201,10 +209,12 @@ def compute(sections, *, trainer: bool, device: str) -> dict:
             doc[s] = section_tiny()
         elif s == "families":
             doc[s] = section_families(trainer, device)
+        elif s == "moe":
+            doc[s] = section_families(False, device, MOE_CASES)
         elif s == "production":
             doc[s] = section_production(trainer)
         else:
-            raise SystemExit(f"unknown section {s!r} (tiny, families, production)")
+            raise SystemExit(f"unknown section {s!r} (tiny, families, moe, production)")
     return doc
 
 
@@ -239,7 +249,7 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("record")
     r.add_argument("--out", required=True)
-    r.add_argument("--sections", nargs="+", default=["tiny", "families"])
+    r.add_argument("--sections", nargs="+", default=["tiny", "families", "moe"])
     c = sub.add_parser("check")
     c.add_argument("golden")
     c.add_argument("--sections", nargs="+")

@@ -24,14 +24,14 @@ GOLDEN = json.loads((ROOT / "tests" / "goldens" / "cpu.json").read_text())
 
 @pytest.fixture(scope="module")
 def computed():
-    return goldens.compute(["tiny", "families"], trainer=False, device="cpu")
+    return goldens.compute(["tiny", "families", "moe"], trainer=False, device="cpu")
 
 
 def _without_trainer(section):
     return {k: {f: v for f, v in case.items() if f != "trainer_dump"} for k, case in section.items()}
 
 
-@pytest.mark.parametrize("section", ["tiny", "families"])
+@pytest.mark.parametrize("section", ["tiny", "families", "moe"])
 def test_bits_equal_the_goldens(computed, section):
     want = GOLDEN[section] if section == "tiny" else _without_trainer(GOLDEN[section])
     assert goldens.differences(want, computed[section], section) == []

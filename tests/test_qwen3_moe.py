@@ -190,6 +190,48 @@ def test_moe_block_rows_are_batch_invariant(loaded):
     assert _rows_alone_vs_batched(loaded.config, _with_gemm(kernels, _row_count_gemm)) > 0
 
 
+def _tile_counting(kernels, counts: list):
+    """The kernel set with its grouped GEMM wrapped to record each call's non-empty tiles."""
+    fn = kernels.grouped_gemm.leaf.fn
+
+    def counted(x, w, tile_expert, **kw):
+        counts.append(tile_expert)
+        return fn(x, w, tile_expert, **kw)
+
+    leaf = dataclasses.replace(kernels.grouped_gemm.leaf, fn=counted)
+    return dataclasses.replace(kernels, grouped_gemm=dataclasses.replace(kernels.grouped_gemm,
+                                                                         leaf=leaf))
+
+
+def test_padding_rows_reach_no_expert(loaded):
+    """A step bucket's padding rows (`padding`, from the null page in the dense body) are routed
+    to no expert: the real rows keep every bit, the padding rows come out zero, and the grouped
+    GEMMs run only the real rows' experts' tiles. The control: without the mask the same rows
+    (all alike, as a bucket's padding is) add their own experts' tiles."""
+    cfg = loaded.config
+    kernels = ModelKernels.plan_for(dtype=jnp.bfloat16, hardware="cpu",
+                                    features=frozenset({"batch_invariant"}))
+    block = SparseMoE(cfg, SparseMoE.specs(cfg, dtype=jnp.bfloat16), RandomSource(0))
+    real = jax.random.normal(jax.random.key(3), (2, cfg.hidden_size)).astype(jnp.bfloat16)
+    pad = jax.random.normal(jax.random.key(4), (1, cfg.hidden_size)).astype(jnp.bfloat16)
+    x = jnp.concatenate([real, jnp.repeat(pad, 14, axis=0)])                  # 16 rows, 14 padding
+    padding = jnp.arange(16) >= 2
+    tiles = {}
+    outs = {}
+    for name, mask in (("masked", padding), ("unmasked", None)):
+        counts = []
+        outs[name], ids = block.routed(_tile_counting(kernels, counts), x, dtype=jnp.bfloat16,
+                                       padding=mask)
+        tiles[name] = {int((np.asarray(t) >= 0).sum()) for t in counts}
+    real_experts = len(set(np.asarray(ids[:2]).ravel().tolist()))
+    all_experts = len(set(np.asarray(ids).ravel().tolist()))
+    assert all_experts > real_experts, "the control needs padding routed to other experts"
+    masked, unmasked = (np.asarray(outs[n]).view(np.uint16) for n in ("masked", "unmasked"))
+    assert np.array_equal(masked[:2], unmasked[:2])
+    assert not masked[2:].any() and unmasked[2:].any()
+    assert tiles == {"masked": {real_experts}, "unmasked": {all_experts}}
+
+
 def _reference_block(block, kernels, x, *, weight_inside: bool):
     """Each token's k experts one by one with the block's own leaves: the weight applied to the
     activation before down_proj (the spec's slot form), or to down_proj's output (HF eager's)."""

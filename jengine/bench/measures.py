@@ -140,8 +140,8 @@ def row_bytes(bs: int, ctx: int, r: dict) -> float | None:
 
 
 def experts_read(r: dict, bs: int, ctx: int) -> dict | None:
-    """{"rows", "with_padding"}: the (layer, expert) pairs the row's step routed its rows / its
-    whole token bucket to (jengine/bench/model.py), None for a dense model or an older bench."""
+    """{"rows"}: the (layer, expert) pairs the row's step routed its rows to
+    (jengine/bench/model.py), None for a dense model or an older bench."""
     long = r.get("long_decode") or {}
     if (long.get("batch"), long.get("context")) == (bs, ctx):
         return long.get("experts_read")

@@ -63,9 +63,9 @@ def _decode_batch(runner, bs: int, context: int):
 
 def _experts_read(runner, bs: int, context: int) -> dict | None:
     """For a model that routes tokens to experts: the (layer, expert) pairs the decode row's step
-    routes its bs rows to ("rows": the experts whose weights the step must read) and its whole
-    token bucket to ("with_padding": the padding rows are routed too, so a routed step may read
-    more); None for a dense model. One untimed step of the timed batch: the same routing."""
+    routes its bs rows to ("rows": the experts whose weights a routed step reads; its token
+    bucket's padding rows reach no expert, jengine/models/layers/moe.py), None for a dense model.
+    One untimed step of the timed batch: the same routing."""
     import numpy as np
 
     if not runner.routing_shape:
@@ -76,7 +76,7 @@ def _experts_read(runner, bs: int, context: int) -> dict | None:
         return int(sum(len(set(rows[:, layer].ravel().tolist()) - {-1})
                        for layer in range(rows.shape[1])))
 
-    return {"rows": pairs(ids[:bs]), "with_padding": pairs(ids)}
+    return {"rows": pairs(ids[:bs])}
 
 
 def _time_prefill(runner, n: int, iters: int) -> float:

@@ -92,22 +92,21 @@ def _model_section(models: dict, bw, peak) -> list[str]:
 
 def _experts_lines(models: dict, rows: dict, names: list) -> list[str]:
     """A MoE shape's decode rows: the (layer, expert) pairs each step's rows were routed to (the
-    experts whose weights it must read: its HBM bound counts these) and those of its whole token
-    bucket, whose padding rows are routed too."""
+    experts whose weights a routed step reads: its HBM bound counts these; the token bucket's
+    padding rows reach no expert)."""
     cells = {(bs, ctx): [experts_read(per.get(n, (None, {}))[1], bs, ctx) for n in names]
              for (bs, ctx), per in rows.items()}
     if not any(e for row in cells.values() for e in row):
         return []
     total = next((r["step_model"]["moe_layers"] * r["step_model"]["experts"]
                   for r in models.values() if (r.get("step_model") or {}).get("experts")), None)
-    lines = ["Experts read per decode step: (layer, expert) pairs routed to by the rows / by the "
-             "whole token bucket (padding rows included)"
-             + (f", of {total} in the model" if total else "") + ".", "",
-             "| row | " + " | ".join(f"{n} rows | {n} with padding" for n in names) + " |",
-             "|---|" + "---|---|" * len(names)]
+    lines = ["Experts read per decode step: (layer, expert) pairs its rows are routed to (the "
+             "token bucket's padding rows reach none; the portable backend reads every expert"
+             + (f", {total} in the model" if total else "") + ").", "",
+             "| row | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for (bs, ctx), per in cells.items():
         lines.append(f"| decode bs {bs}, ctx {ctx} | " + " | ".join(
-            f"{e['rows']} | {e['with_padding']}" if e else "- | -" for e in per) + " |")
+            str(e["rows"]) if e else "-" for e in per) + " |")
     return lines + [""]
 
 

@@ -195,7 +195,8 @@ class DenseDecoder(nnx.Module):
         page = block_tables[token_req, positions // page_size]
         # Padding rows (and only they) map to the null page; their writes are sent out of bounds
         # and dropped, so every written (page, slot) is unique (see Attention.__call__).
-        page = jnp.where(page == NULL_PAGE, pages0.shape[0], page)
+        padding = page == NULL_PAGE
+        page = jnp.where(padding, pages0.shape[0], page)
         slot = positions % page_size
         cos = self.rope_cos[...][positions]
         sin = self.rope_sin[...][positions]
@@ -231,7 +232,7 @@ class DenseDecoder(nnx.Module):
             new_kv.append(layer_kv)
             x, residual = boundary(layer.post_attention_layernorm, attn, residual)
             if getattr(layer.mlp, "routed", None) is not None:  # a sparse MoE block
-                h, ids = layer.mlp.routed(kern, x, dtype=self.dtype, tp=self.tp)
+                h, ids = layer.mlp.routed(kern, x, dtype=self.dtype, tp=self.tp, padding=padding)
             else:
                 defer = {"pending": True} if fuse and layer.mlp.defers_projection else {}
                 h, ids = layer.mlp(kern, x, dtype=self.dtype, tp=self.tp, **defer), None

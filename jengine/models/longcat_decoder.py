@@ -151,7 +151,8 @@ class LongcatDecoder(dense.DenseDecoder):
         pages0 = kv[0][0]
         page_size = pages0.shape[1]
         page = block_tables[token_req, positions // page_size]
-        page = jnp.where(page == NULL_PAGE, pages0.shape[0], page)  # padding rows: dropped writes
+        padding = page == NULL_PAGE
+        page = jnp.where(padding, pages0.shape[0], page)  # padding rows: dropped writes
         slot = positions % page_size
         cos = self.rope_cos[...][positions]
         sin = self.rope_sin[...][positions]
@@ -168,7 +169,7 @@ class LongcatDecoder(dense.DenseDecoder):
                 new_kv.append(pages)
                 x, residual = self._add_norm(layer.post_attention_layernorm[j], attn, residual, eps)
                 if j == 0:
-                    shortcut, ids = layer.mlp.routed(kern, x, dtype=dtype)
+                    shortcut, ids = layer.mlp.routed(kern, x, dtype=dtype, padding=padding)
                     routed.append(ids)
                 delta = layer.mlps[j](kern, x, dtype=dtype)
             residual = residual + delta  # HF: (residual + mlps[1](x)) + shortcut

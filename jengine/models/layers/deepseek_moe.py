@@ -104,9 +104,9 @@ class DeepseekMoE(SparseMoE):
         self.shared_experts = (SwiGLU(None, specs["shared_experts"], source)
                                if "shared_experts" in specs else None)
 
-    def routed(self, kern, x, *, dtype, tp=None):
+    def routed(self, kern, x, *, dtype, tp=None, padding=None):
         """(the layer's output [T, H] in `dtype`, the routed expert ids int32[T, k]; -1 for a zero
-        expert). kern: a `ModelKernels` of this module."""
+        expert). kern: a `ModelKernels` of this module. padding: as SparseMoE.combine's."""
         if tp is not None:
             raise ValueError("tensor parallelism of a MoE block is not implemented (MoE TP = 1)")
         ids, weights = self.route(kern, x, dtype=dtype)
@@ -115,7 +115,8 @@ class DeepseekMoE(SparseMoE):
             identity = ids >= self.num_routed
             ids = jnp.where(identity, jnp.int32(-1), ids)
         expert_ids = ids if identity is None else jnp.where(identity, 0, ids)  # a placeholder id
-        out = self.combine(kern, x, expert_ids, weights, dtype=dtype, identity=identity)
+        out = self.combine(kern, x, expert_ids, weights, dtype=dtype, identity=identity,
+                           padding=padding)
         if self.shared_experts is not None:
             out = out + self.shared_experts(kern, x, dtype=dtype)  # HF: routed + shared, in dtype
         return out, ids

@@ -86,21 +86,29 @@ class SparseMoE(nnx.Module):
         """x [T, H] -> [T, H] in `dtype`. kern: the MoE body's kernel set (router_topk plan)."""
         return self.routed(kern, x, dtype=dtype, tp=tp)[0]
 
-    def routed(self, kern, x, *, dtype, tp=None):
+    def routed(self, kern, x, *, dtype, tp=None, padding=None):
         """(the block's output [T, H] in `dtype`, the expert ids int32[T, k] it routed each row
-        to): the ids are what --return-routed-experts exports (docs/serving.md)."""
+        to): the ids are what --return-routed-experts exports (docs/serving.md). padding: bool[T]
+        or None, the step bucket's padding rows (see `combine`)."""
         if tp is not None:
             raise ValueError("tensor parallelism of a MoE block is not implemented (MoE TP = 1; "
                              "split the experts with --ep-size instead)")
         ids, weights = self.route(kern, x, dtype=dtype)
-        return self.combine(kern, x, ids, weights, dtype=dtype), ids
+        return self.combine(kern, x, ids, weights, dtype=dtype, padding=padding), ids
 
-    def combine(self, kern, x, ids, weights, *, dtype, identity=None):
+    def combine(self, kern, x, ids, weights, *, dtype, identity=None, padding=None):
         """The experts' output [T, H] in `dtype` for the routing (ids int32[T, k], weights [T, k]
         in `dtype`): each slot's expert with its weight inside the activation, folded in slot order.
         identity: bool [T, k] or None -- slots routed to an identity (zero) expert (LongCat-Flash):
         their term is x * weight rounded to `dtype` (an identity expert's weighted activation), their
-        ids are placeholders and they reach no expert. Not under --ep-size."""
+        ids are placeholders and they reach no expert. Not under --ep-size.
+        padding: bool [T] or None -- rows that only pad the step's token bucket (a bs 1 decode step
+        runs 16 rows, 15 of them padding, all routed alike). Their pairs reach no expert and their
+        output is zeros: a padding row's hidden state is never read (its KV write is dropped), and
+        a row's bits never depend on which other pairs share the experts' tiles
+        (moe_grouped_gemm.py), so this changes no real row's bits while it spares the routed
+        path the padding rows' experts -- up to k more experts' weights read per layer. Under
+        --ep-size padding pairs still travel (sharding/expert_parallel.py)."""
         if identity is not None and self.ep is not None:
             raise ValueError("identity (zero) experts under expert parallelism are not "
                              "implemented (the residual must enter exactly one rank's partial)")
@@ -113,8 +121,10 @@ class SparseMoE(nnx.Module):
         local = slots
         if identity is not None:  # no expert computes an identity slot: out of the experts' range
             local = jnp.where(identity, n_local, local)
+        if padding is not None:  # nor a padding row's
+            local = jnp.where(padding[:, None], n_local, local)
         mine = self.experts(kern, x, local, weights, dtype=dtype,
-                            foreign=identity is not None)  # [T, k, H]
+                            foreign=identity is not None or padding is not None)  # [T, k, H]
         if identity is not None:
             residual = (x[:, None, :] * weights[:, :, None]).astype(dtype)  # one product, rounded
             mine = jnp.where(identity[:, :, None], residual, mine)
