@@ -1,6 +1,6 @@
 """Where a MoE decode step's first call spends its time: weights, tracing, XLA's compile, the run.
 
-    python3 scripts/gpu_moe_compile.py --out DIR [--shape qwen3-30b-a3b] [--layers 2 8]
+    python3 scripts/gpu_moe_compile.py --out DIR [--shape qwen3-30b-a3b] [--layers 2 4]
     python3 scripts/gpu_moe_compile.py --out DIR --shape qwen3-moe-small --layers 1 2   # CPU
 
 (scripts/gpu_run.sh step `moe_compile`.) On an H100 the first bs 1 decode step of Qwen3-30B-A3B's
@@ -13,6 +13,10 @@ are set before JAX starts) with JAX_LOG_COMPILES=1, and its output is passed on 
 a run cut short by its limit still shows the phase it was in and every program compiled so far.
 Writes moe_compile.md and moe_compile.json. The last argument of --layers that finishes bounds
 how the time grows with depth.
+
+A --numerics entry may also be a variant of one (VARIANTS): `auto-noautotune` is auto with XLA's
+GEMM autotuning off (`--xla_gpu_autotune_level=0`, which rl-bitwise always sets), so one call
+says whether auto's compile time is its autotuner's.
 """
 
 from __future__ import annotations
@@ -31,9 +35,15 @@ sys.path.insert(0, str(ROOT))
 from jengine.bench.common import _read_partial, run_streamed  # noqa: E402
 
 PHASES = ("build_s", "lower_s", "compile_s", "first_run_s", "second_run_ms")
+# variant -> (numerics, XLA flags appended to the environment's before JAX starts)
+VARIANTS = {"auto-noautotune": ("auto", "--xla_gpu_autotune_level=0")}
 
 
 def child(args) -> dict:
+    label = args.numerics
+    args.numerics, flags = VARIANTS.get(label, (label, ""))
+    if flags:  # before JAX starts; the numerics' own flags are appended to these
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
     import jax
 
     from jengine.bench.common import _checkpoint, random_runner
@@ -46,7 +56,7 @@ def child(args) -> dict:
     def phase(name, t0, scale=1.0, **extra):
         out[name] = round((time.time() - t0) * scale, 2)
         out.update(extra)
-        print(f"[{args.numerics}, {args.layers} layers] {name} {out[name]}"
+        print(f"[{label}, {args.layers} layers] {name} {out[name]}"
               + "".join(f", {k} {v}" for k, v in extra.items()), flush=True)
         _checkpoint(args, out)  # what is known so far survives a kill
 
@@ -54,7 +64,9 @@ def child(args) -> dict:
     runner, _, _ = random_runner(args.shape, args.numerics, _model_launch(rows),
                                  layers=args.layers)
     jax.block_until_ready(runner.params.arrays)
-    phase("build_s", t0, kernels=runner.kernels.describe().get("expert_backend"))
+    # the XLA flags the backend started with: the numerics' own and a variant's
+    phase("build_s", t0, kernels=runner.kernels.describe().get("expert_backend"),
+          xla_flags=os.environ.get("XLA_FLAGS", ""))
     inputs = runner.padded_inputs(_decode_batch(runner, args.batch, args.context))
     pool = runner.kv_pool
     t0 = time.time()
@@ -121,7 +133,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--shape", default="qwen3-30b-a3b")
-    p.add_argument("--layers", type=int, nargs="+", default=[2, 8])
+    p.add_argument("--layers", type=int, nargs="+", default=[2, 4])
     p.add_argument("--numerics", nargs="+", default=["auto", "rl-bitwise"])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=1024)

@@ -242,9 +242,9 @@
 #                  most): how long building and compiling take, and the einsum (auto) against the
 #                  routed pairs (rl-bitwise) at one row
 #   moe_compile    scripts/gpu_moe_compile.py: that first bs 1 decode call phase by phase (weights,
-#                  trace + lower, XLA's compile, first and second run), both numerics, 2 then 8
-#                  layers, 120 s each at most (bench_moe_probe's first steps had not returned
-#                  after 83 s on 8 layers)
+#                  trace + lower, XLA's compile, first and second run), auto, auto without XLA's
+#                  GEMM autotuner, rl-bitwise, 2 then 4 layers, 80 s each at most
+#                  (bench_moe_probe's first steps had not returned after 83 s on 8 layers)
 #   bench_moe_hf   the HF transformers generate peer of that shape (Qwen3MoeForCausalLM), bs 16
 #   router_topk    scripts/gpu_router_topk.py: the (moe, router_topk) torch leaf vs live torch.topk
 #                  (ids and value bits; random, tied, cutoff-tied, near-tied; alone vs packed)
@@ -563,7 +563,7 @@ for s in "$@"; do
     bench_moe) step bench_moe 560 python3 -m jengine.cli bench --parts roofline model --shape qwen3-30b-a3b --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 4096 --part-timeout 60 model=240 --out "$out/bench_moe" ;;
     bench_moe_short) step bench_moe_short 370 python3 -m jengine.cli bench --parts roofline model --shape qwen3-30b-a3b --layers 8 --iters 10 --batch-sizes 1 64 --long-context 0 --prefill-tokens 4096 --part-timeout 60 model=150 --out "$out/bench_moe_short" ;;
     bench_moe_probe) step bench_moe_probe 200 python3 -m jengine.cli bench --parts model --shape qwen3-30b-a3b --layers 8 --iters 10 --batch-sizes 1 --long-context 0 --prefill-tokens 0 --part-timeout 95 --out "$out/bench_moe_probe" ;;
-    moe_compile) step moe_compile 500 python3 scripts/gpu_moe_compile.py --layers 2 8 --child-timeout 120 --out "$out/moe_compile" ;;
+    moe_compile) step moe_compile 500 python3 scripts/gpu_moe_compile.py --layers 2 4 --numerics auto auto-noautotune rl-bitwise --child-timeout 80 --out "$out/moe_compile" ;;
     bench_moe_hf) step bench_moe_hf 300 python3 -m jengine.cli bench --parts hf --shape qwen3-30b-a3b --hf-batch 16 --hf-new-tokens 32 --part-timeout 290 --out "$out/bench_moe_hf" ;;
     router_topk) step router_topk 300 python3 scripts/gpu_router_topk.py --experts 8 128 --ks 1 2 4 8 32 64 --out "$out/router_topk" ;;
     router_topk_mid) step router_topk_mid 300 python3 scripts/gpu_router_topk.py --experts 64 160 --ks 6 12 16 33 50 --out "$out/router_topk_mid" ;;

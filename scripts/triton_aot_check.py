@@ -1,5 +1,5 @@
-"""Compile the engine's Triton launches (scripts/triton_launches.py: GEMM, attention, RoPE + KV
-write, MLA attention, norm, SiLU) for sm_90 (H200) on a machine without a GPU.
+"""Compile the engine's Triton launches (scripts/triton_launches.py: GEMM, routed experts,
+attention, RoPE + KV write, MLA attention, norm, SiLU) for sm_90 (H200) on a machine without a GPU.
 
     python scripts/triton_aot_check.py [LABEL_PREFIX]
     python scripts/triton_aot_check.py --same-float-ops
@@ -17,13 +17,14 @@ import os
 import re
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="triton-aot-"))
 
 from triton_launches import (attention_kernels, gemm_kernels, mla_attention_kernels,  # noqa: E402
-                             norm_kernels, rope_attention_kernels)
+                             moe_kernels, norm_kernels, rope_attention_kernels)
 
 H200 = (90, 32)  # compute capability 9.0, warp size 32
 
@@ -182,15 +183,18 @@ def main(only: str = "") -> int:
     failures = 0
     launches = [(label, fn, args, consts,
                  (tile.num_warps, tile.num_stages, True) if tile else (4, 1, True))
-                for label, fn, args, consts, tile in gemm_kernels()]
+                for label, fn, args, consts, tile in [*gemm_kernels(), *moe_kernels()]]
     for label, fn, args, consts, options in (
             launches + list(attention_kernels()) + list(mla_attention_kernels())
             + list(norm_kernels())):
         if only and not label.startswith(only):
             continue
         try:
+            t0 = time.perf_counter()
             kernel = _compile(fn, args, consts, *options)
-            print(f"ok    {label}: {kernel.metadata.shared} B shared")
+            # the seconds: a first step that compiles slowly on the GPU may be a kernel's ptxas
+            print(f"ok    {label}: {kernel.metadata.shared} B shared, compiled in "
+                  f"{time.perf_counter() - t0:.1f} s")
         except Exception as exc:  # noqa: BLE001 - report which kernel and why, then fail
             failures += 1
             print(f"FAIL  {label}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")

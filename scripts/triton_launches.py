@@ -1,5 +1,6 @@
-"""The Triton launches the engine makes at the Llama-3-8B widths (and DeepSeek's for MLA), for an
-offline compile: each as (label, kernel, argument types, constexprs, options or tile).
+"""The Triton launches the engine makes at the Llama-3-8B widths (DeepSeek's for MLA,
+Qwen3-30B-A3B's for the routed experts), for an offline compile: each as (label, kernel, argument
+types, constexprs, options or tile).
 
 scripts/triton_aot_check.py compiles them for sm_90; the GPU scripts and tests that inspect one
 launch's PTX import them from here. A launch added to a leaf belongs here too, or CI never
@@ -309,3 +310,30 @@ def mla_attention_kernels():
                    "out_ptr": f"*{dtype}"}
         yield (label + " combine", K.mla_combine_kernel, combine,
                dict(tm._combine_constexprs(c), HB=hb, NSPLIT=8), launch)
+
+
+def moe_kernels():
+    """The routed experts' grouped GEMM (pallas_kernels/triton_moe_grouped_gemm.py) at
+    Qwen3-30B-A3B's widths (hidden 2048, expert width 768), bf16: gate/up and down_proj on the
+    dense leaf's tile for their (N, K), each schedule that tile has, as the leaf launches them."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import _triton_gemm_kernels as K
+    from pallas_kernels import triton_gemm as tg
+    from pallas_kernels.moe_grouped_gemm import block_rows_for
+    from pallas_kernels.triton_gemm_tiles import tile_for
+
+    shapes = ((768, 2048), (2048, 768))
+    block_rows = block_rows_for(shapes, jnp.bfloat16)
+    for n, k in shapes:
+        tile = tile_for(n, k, jnp.bfloat16)
+        for schedule in ("serial", "split") if tile.k_split > 1 else ("serial",):
+            (_, consts), reduce = tg._launches(8192, k, n, jnp.bfloat16, None, tile, schedule)
+            out = "*fp32" if schedule == "split" else "*bf16"
+            args = dict(x_ptr="*bf16", w_ptr="*bf16", tile_expert_ptr="*i32", M="i32",
+                        out_ptr=out)
+            label = f"moe expert N={n} K={k} rows={block_rows} {tile.describe()} {schedule}"
+            yield label, K.expert_gemm_kernel, args, dict(consts, BLOCK_ROWS=block_rows), tile
+            if reduce:
+                args = dict(part_ptr="*fp32", bias_ptr="*bf16", M="i32", out_ptr="*bf16")
+                yield label + " reduce", K.gemm_reduce_kernel, args, reduce[1], None

@@ -337,18 +337,21 @@ def test_moe_compile_probe_times_each_phase_and_keeps_what_a_stop_leaves(tmp_pat
     the row with none."""
     script = os.path.join(ROOT, "scripts", "gpu_moe_compile.py")
     base = [sys.executable, script, "--shape", "qwen3-moe-small", "--layers", "1",
-            "--numerics", "auto", "--context", "16"]
+            "--context", "16"]
     env = {**os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.run(base + ["--out", str(tmp_path / "ok")], capture_output=True, text=True,
-                          timeout=300, env=env)
+    # a variant: auto with XLA's GEMM autotuner off, its flag in the child's XLA_FLAGS
+    proc = subprocess.run(base + ["--numerics", "auto-noautotune", "--out", str(tmp_path / "ok")],
+                          capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (row,) = json.loads((tmp_path / "ok" / "moe_compile.json").read_text())
     assert row["kernels"] == "portable" and row["stablehlo_lines"] > 100
+    assert "--xla_gpu_autotune_level=0" in row["xla_flags"].split(), row["xla_flags"]
     assert all(row[k] > 0 for k in ("build_s", "lower_s", "compile_s", "second_run_ms")), row
-    order = [proc.stdout.index(f"[auto, 1 layers] {k}") for k in (
+    order = [proc.stdout.index(f"[auto-noautotune, 1 layers] {k}") for k in (
         "build_s", "lower_s", "compile_s", "first_run_s", "second_run_ms")]
     assert order == sorted(order)
-    proc = subprocess.run(base + ["--out", str(tmp_path / "cut"), "--child-timeout", "0.5"],
+    proc = subprocess.run(base + ["--numerics", "auto", "--out", str(tmp_path / "cut"),
+                                  "--child-timeout", "0.5"],
                           capture_output=True, text=True, timeout=300, env=env)
     (row,) = json.loads((tmp_path / "cut" / "moe_compile.json").read_text())
     assert proc.returncode == 1 and row["error"] == "stopped after 0.5 s" and "build_s" not in row

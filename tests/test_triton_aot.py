@@ -1,7 +1,7 @@
-"""The GEMM (every tile and by_m launch shape), attention (auto's wide prefill tile too),
-rope_write, MLA attention, layer-boundary norm and SiLU kernels compile for the H200 (sm_90),
-checked on the CPU by Triton's own compiler; and an attention experiment that must keep every bit
-keeps every float instruction.
+"""The GEMM (every tile and by_m launch shape), the routed experts' grouped GEMM, attention
+(auto's wide prefill tile too), rope_write, MLA attention, layer-boundary norm and SiLU kernels
+compile for the H200 (sm_90), checked on the CPU by Triton's own compiler; and an attention
+experiment that must keep every bit keeps every float instruction.
 
 A subprocess, because the interpreter tests switch this process's Triton to interpreting mode. This
 is a compile check only (no bits, no timings): it keeps a kernel that cannot compile for the GPU
@@ -68,6 +68,9 @@ def test_every_tuned_gemm_and_attention_launch_compiles_for_sm90(cache):
     assert any(line.startswith("ok    mla h=128 R=512 P=64 bf16 split") for line in lines)
     assert any(line.startswith("ok    add_rmsnorm rows H=4096 bf16 ROWS=") for line in lines)
     assert any(line.startswith("ok    silu N=58720256 bf16") for line in lines)
+    # the routed experts' grouped GEMM at Qwen3-30B-A3B's widths (gate/up, down_proj)
+    assert any(line.startswith("ok    moe expert N=768 K=2048 rows=64") for line in lines)
+    assert any(line.startswith("ok    moe expert N=2048 K=768 rows=64") for line in lines)
     assert all(line.startswith("ok ") for line in lines), lines
 
 
