@@ -275,7 +275,8 @@ def test_moe_shape_is_qwen3_30b_a3b_and_runs_small(tmp_path):
     # the model card's figures, to their one decimal (3.35B active: the card writes 3.3B)
     assert 30.5e9 <= counts["total"] < 30.6e9 and 3.3e9 <= counts["active"] < 3.4e9, counts
     argv = [sys.executable, "-m", "jengine.cli", "bench", "--parts", "model", "hf", "--shape",
-            "qwen3-moe-small", "--numerics", "auto", "--batch-sizes", "1", "--context", "16",
+            "qwen3-moe-small", "--numerics", "auto", "rl-bitwise", "--batch-sizes", "1",
+            "--context", "16",
             "--long-context", "0", "--prefill-tokens", "16", "--iters", "1", "--hf-batch", "2",
             "--hf-new-tokens", "2", "--part-timeout", "120", "--out", str(tmp_path)]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -287,12 +288,16 @@ def test_moe_shape_is_qwen3_30b_a3b_and_runs_small(tmp_path):
     assert model["decode_ms"]["1"] > 0 and model["prefill_ms"] > 0
     assert model["kernels"]["expert_backend"] in ("portable", "batch_invariant")
     # one row routes to exactly top-k experts in each of the 2 layers (its bucket's padding rows
-    # reach none)
+    # reach none); the routed backend (rl-bitwise) runs them in the static layout of its 16-row
+    # bucket: 16 x 4 pairs over 16 experts (+ the empty "expert"), tiles of 64 rows
     assert model["experts_read"]["1"] == {"rows": 2 * 4}, model["experts_read"]
+    routed = results["model:rl-bitwise"]
+    assert routed["kernels"]["expert_backend"] == "batch_invariant"
+    assert routed["experts_read"]["1"] == {"rows": 2 * 4, "layout_rows": 17 * 64}, routed
     assert model["step_model"]["expert"] == 3 * 256 * 64
     md = (tmp_path / "bench.md").read_text()
     assert "rows are read against them for information only" in md
-    assert "| decode bs 1, ctx 16 | 8 |" in md  # the experts table
+    assert "| decode bs 1, ctx 16 | 8 | 8 [1088] |" in md  # the experts table
     if importlib.util.find_spec("transformers") is not None:
         assert results["hf"]["model_class"] == "Qwen3MoeForCausalLM", results["hf"]
         assert results["hf"]["generated"] == 2

@@ -30,6 +30,7 @@ from jengine.engine.model_runner import ModelRunner  # noqa: E402
 from jengine.launch import plan_launch  # noqa: E402
 from jengine.models import load_model  # noqa: E402
 from jengine.models.layers.moe import SparseMoE  # noqa: E402
+from jengine.models.layers.moe_routed import layout_rows  # noqa: E402
 from jengine.models.layers.param import RandomSource  # noqa: E402
 from jengine.models.moe_decoder import ModelKernels  # noqa: E402
 from jengine.numerics import resolve_launch  # noqa: E402
@@ -191,11 +192,11 @@ def test_moe_block_rows_are_batch_invariant(loaded):
 
 
 def _tile_counting(kernels, counts: list):
-    """The kernel set with its grouped GEMM wrapped to record each call's non-empty tiles."""
+    """The kernel set with its grouped GEMM wrapped to record each call's (rows, tile experts)."""
     fn = kernels.grouped_gemm.leaf.fn
 
     def counted(x, w, tile_expert, **kw):
-        counts.append(tile_expert)
+        counts.append((x.shape[0], tile_expert))
         return fn(x, w, tile_expert, **kw)
 
     leaf = dataclasses.replace(kernels.grouped_gemm.leaf, fn=counted)
@@ -206,8 +207,9 @@ def _tile_counting(kernels, counts: list):
 def test_padding_rows_reach_no_expert(loaded):
     """A step bucket's padding rows (`padding`, from the null page in the dense body) are routed
     to no expert: the real rows keep every bit, the padding rows come out zero, and the grouped
-    GEMMs run only the real rows' experts' tiles. The control: without the mask the same rows
-    (all alike, as a bucket's padding is) add their own experts' tiles."""
+    GEMMs run only the real rows' experts' tiles, in the static layout `layout_rows` counts. The
+    control: without the mask the same rows (all alike, as a bucket's padding is) add their own
+    experts' tiles."""
     cfg = loaded.config
     kernels = ModelKernels.plan_for(dtype=jnp.bfloat16, hardware="cpu",
                                     features=frozenset({"batch_invariant"}))
@@ -222,7 +224,11 @@ def test_padding_rows_reach_no_expert(loaded):
         counts = []
         outs[name], ids = block.routed(_tile_counting(kernels, counts), x, dtype=jnp.bfloat16,
                                        padding=mask)
-        tiles[name] = {int((np.asarray(t) >= 0).sum()) for t in counts}
+        tiles[name] = {int((np.asarray(t) >= 0).sum()) for _, t in counts}
+        if mask is not None:
+            assert {rows for rows, _ in counts} == {layout_rows(
+                16, cfg.num_experts_per_tok, cfg.num_experts, cfg.moe_intermediate_size,
+                cfg.hidden_size, jnp.bfloat16)}
     real_experts = len(set(np.asarray(ids[:2]).ravel().tolist()))
     all_experts = len(set(np.asarray(ids).ravel().tolist()))
     assert all_experts > real_experts, "the control needs padding routed to other experts"

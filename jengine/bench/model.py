@@ -64,9 +64,15 @@ def _decode_batch(runner, bs: int, context: int):
 def _experts_read(runner, bs: int, context: int) -> dict | None:
     """For a model that routes tokens to experts: the (layer, expert) pairs the decode row's step
     routes its bs rows to ("rows": the experts whose weights a routed step reads; its token
-    bucket's padding rows reach no expert, jengine/models/layers/moe.py), None for a dense model.
-    One untimed step of the timed batch: the same routing."""
+    bucket's padding rows reach no expert, jengine/models/layers/moe.py) and, on the routed
+    backend, the rows each of its grouped GEMMs runs ("layout_rows": static, sized for any routing
+    of the bucket); None for a dense model. One untimed step of the timed batch: the same
+    routing."""
     import numpy as np
+
+    from jengine.engine.model_runner import MIN_TOKEN_BUCKET
+    from jengine.models.layers.moe_routed import layout_rows
+    from pallas_kernels.fixed_order import next_pow2
 
     if not runner.routing_shape:
         return None
@@ -76,7 +82,14 @@ def _experts_read(runner, bs: int, context: int) -> dict | None:
         return int(sum(len(set(rows[:, layer].ravel().tolist()) - {-1})
                        for layer in range(rows.shape[1])))
 
-    return {"rows": pairs(ids[:bs])}
+    out = {"rows": pairs(ids[:bs])}
+    cfg = runner.model_config
+    if runner.kernels.describe().get("expert_backend") == "batch_invariant" \
+            and hasattr(cfg, "moe_intermediate_size"):
+        out["layout_rows"] = layout_rows(next_pow2(bs, MIN_TOKEN_BUCKET), cfg.num_experts_per_tok,
+                                         cfg.num_experts, cfg.moe_intermediate_size,
+                                         cfg.hidden_size, runner.dtype)
+    return out
 
 
 def _time_prefill(runner, n: int, iters: int) -> float:

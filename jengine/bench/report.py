@@ -102,11 +102,16 @@ def _experts_lines(models: dict, rows: dict, names: list) -> list[str]:
                   for r in models.values() if (r.get("step_model") or {}).get("experts")), None)
     lines = ["Experts read per decode step: (layer, expert) pairs its rows are routed to (the "
              "token bucket's padding rows reach none; the portable backend reads every expert"
-             + (f", {total} in the model" if total else "") + ").", "",
+             + (f", {total} in the model" if total else "") + "); in brackets, the rows each "
+             "grouped GEMM of the routed backend runs (a static layout for any routing).", "",
              "| row | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+
+    def cell(e):
+        return "-" if not e else str(e["rows"]) + (
+            f" [{e['layout_rows']}]" if "layout_rows" in e else "")
+
     for (bs, ctx), per in cells.items():
-        lines.append(f"| decode bs {bs}, ctx {ctx} | " + " | ".join(
-            str(e["rows"]) if e else "-" for e in per) + " |")
+        lines.append(f"| decode bs {bs}, ctx {ctx} | " + " | ".join(map(cell, per)) + " |")
     return lines + [""]
 
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels.moe_grouped_gemm import EMPTY_TILE, block_rows_for, plan_expert_tiles
+from pallas_kernels.moe_grouped_gemm import (EMPTY_TILE, block_rows_for, num_tiles,
+                                              plan_expert_tiles)
 
 
 def routed_expert_outputs(kern, x, ids, weights, gate_w, up_w, down_w, *, dtype,
@@ -54,3 +55,13 @@ def routed_expert_outputs(kern, x, ids, weights, gate_w, up_w, down_w, *, dtype,
     act = kern.silu(grouped(rows_x, gate_w), times=grouped(rows_x, up_w))
     scaled = (act.astype(jnp.float32) * rows_w[:, None]).astype(dtype)
     return grouped(scaled, down_w)[row_of_pair]
+
+
+def layout_rows(tokens: int, k: int, num_experts: int, inter: int, hidden: int, dtype, *,
+                foreign: bool = True) -> int:
+    """The rows every grouped GEMM of `routed_expert_outputs` runs for a step of `tokens` rows
+    (padding included) over `num_experts` experts of width `inter`: static, sized for any routing
+    of the tokens x k pairs, so a bs 1 step's 16-row bucket holds 128 tiles of 64 rows at
+    Qwen3-30B-A3B's widths for its 8 pairs' 8 (what the bench reports next to the pairs)."""
+    block_rows = block_rows_for(((inter, hidden), (hidden, inter)), dtype)
+    return num_tiles(tokens * k, num_experts + foreign, block_rows) * block_rows
