@@ -160,15 +160,17 @@ def _row_count_gemm(x, w, bias=None, *, out_dtype):
     return (acc if bias is None else acc + bias.astype(jnp.float32)).astype(out_dtype)
 
 
+def _swap_leaf(plan, fn):
+    """The kernel plan with its leaf's function replaced."""
+    return dataclasses.replace(plan, leaf=dataclasses.replace(plan.leaf, fn=fn))
+
+
 def _with_gemm(kernels, gemm):
     def group(x, ws, biases=None, *, out_dtype):
         return tuple(gemm(x, w, out_dtype=out_dtype) for w in ws)
 
-    def swap(p, fn):
-        return dataclasses.replace(p, leaf=dataclasses.replace(p.leaf, fn=fn))
-
-    return dataclasses.replace(kernels, gemm=swap(kernels.gemm, gemm),
-                               gemm_group=swap(kernels.gemm_group, group))
+    return dataclasses.replace(kernels, gemm=_swap_leaf(kernels.gemm, gemm),
+                               gemm_group=_swap_leaf(kernels.gemm_group, group))
 
 
 def _rows_alone_vs_batched(cfg, kernels):
@@ -199,9 +201,7 @@ def _tile_counting(kernels, counts: list):
         counts.append((x.shape[0], tile_expert))
         return fn(x, w, tile_expert, **kw)
 
-    leaf = dataclasses.replace(kernels.grouped_gemm.leaf, fn=counted)
-    return dataclasses.replace(kernels, grouped_gemm=dataclasses.replace(kernels.grouped_gemm,
-                                                                         leaf=leaf))
+    return dataclasses.replace(kernels, grouped_gemm=_swap_leaf(kernels.grouped_gemm, counted))
 
 
 def test_padding_rows_reach_no_expert(loaded):

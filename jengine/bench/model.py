@@ -70,9 +70,7 @@ def _experts_read(runner, bs: int, context: int) -> dict | None:
     routing."""
     import numpy as np
 
-    from jengine.engine.model_runner import MIN_TOKEN_BUCKET
     from jengine.models.layers.moe_routed import layout_rows
-    from pallas_kernels.fixed_order import next_pow2
 
     if not runner.routing_shape:
         return None
@@ -86,9 +84,9 @@ def _experts_read(runner, bs: int, context: int) -> dict | None:
     cfg = runner.model_config
     if runner.kernels.describe().get("expert_backend") == "batch_invariant" \
             and hasattr(cfg, "moe_intermediate_size"):
-        out["layout_rows"] = layout_rows(next_pow2(bs, MIN_TOKEN_BUCKET), cfg.num_experts_per_tok,
-                                         cfg.num_experts, cfg.moe_intermediate_size,
-                                         cfg.hidden_size, runner.dtype)
+        # ids has a row per row of the step program: the bucket the layout is sized for
+        out["layout_rows"] = layout_rows(len(ids), cfg.num_experts_per_tok, cfg.num_experts,
+                                         cfg.moe_intermediate_size, cfg.hidden_size, runner.dtype)
     return out
 
 

@@ -32,7 +32,7 @@ def routed_expert_outputs(kern, x, ids, weights, gate_w, up_w, down_w, *, dtype,
 
     kern: a kernel set with `grouped_gemm` (a ("moe", "grouped_gemm") plan) and `silu`.
     block_rows: the layout's row block; by default the one every grouped leaf accepts for these
-    widths (`block_rows_for`).
+    widths (`expert_block_rows`).
     foreign: ids may hold E (= gate_w.shape[0]) for a pair no expert here computes (an empty row of
     an expert-parallel buffer, an identity expert's slot); such pairs land in empty tiles (no GEMM
     work) and their slots are zeros.
@@ -41,7 +41,7 @@ def routed_expert_outputs(kern, x, ids, weights, gate_w, up_w, down_w, *, dtype,
     k = ids.shape[1]
     num_experts, _, inter = gate_w.shape
     if block_rows is None:
-        block_rows = block_rows_for(((inter, h), (h, inter)), dtype)
+        block_rows = expert_block_rows(inter, h, dtype)
     order, tile_expert, row_of_pair = plan_expert_tiles(ids, num_experts + foreign, block_rows)
     if foreign:  # the extra "expert" E computes nothing: its tiles do no work
         tile_expert = jnp.where(tile_expert == num_experts, EMPTY_TILE, tile_expert)
@@ -63,5 +63,11 @@ def layout_rows(tokens: int, k: int, num_experts: int, inter: int, hidden: int, 
     (padding included) over `num_experts` experts of width `inter`: static, sized for any routing
     of the tokens x k pairs, so a bs 1 step's 16-row bucket holds 128 tiles of 64 rows at
     Qwen3-30B-A3B's widths for its 8 pairs' 8 (what the bench reports next to the pairs)."""
-    block_rows = block_rows_for(((inter, hidden), (hidden, inter)), dtype)
+    block_rows = expert_block_rows(inter, hidden, dtype)
     return num_tiles(tokens * k, num_experts + foreign, block_rows) * block_rows
+
+
+def expert_block_rows(inter: int, hidden: int, dtype) -> int:
+    """The layout's row block of experts of width `inter` on `hidden`: the one every grouped leaf
+    accepts for their gate/up ([hidden -> inter]) and down_proj ([inter -> hidden]) GEMMs."""
+    return block_rows_for(((inter, hidden), (hidden, inter)), dtype)
